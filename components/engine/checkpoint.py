@@ -1,0 +1,197 @@
+"""Hugging Face checkpoint directory: validated up front from safetensors headers, read lazily."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .config import ConfigError, ModelConfig
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be served; the message names the file and the problem."""
+
+
+def _layer(i: int) -> str:
+    return f"model.layers.{i}"
+
+
+def expert_tensor_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """(gate, up, down) weight names of one routed expert."""
+    if cfg.architecture == "mixtral":
+        p = f"{_layer(layer)}.block_sparse_moe.experts.{expert}"
+        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
+    p = f"{_layer(layer)}.mlp.experts.{expert}"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def router_name(cfg: ModelConfig, layer: int) -> str:
+    block = "block_sparse_moe" if cfg.architecture == "mixtral" else "mlp"
+    return f"{_layer(layer)}.{block}.gate.weight"
+
+
+def shared_expert_names(cfg: ModelConfig, layer: int) -> tuple[str, str, str, str] | None:
+    """(gate, up, down, shared_expert_gate) of a sparse layer's shared expert, None if it has none."""
+    if cfg.shared_expert_intermediate_size <= 0 or not cfg.sparse_layers[layer]:
+        return None
+    p = f"{_layer(layer)}.mlp"
+    return (f"{p}.shared_expert.gate_proj.weight", f"{p}.shared_expert.up_proj.weight",
+            f"{p}.shared_expert.down_proj.weight", f"{p}.shared_expert_gate.weight")
+
+
+def dense_mlp_names(cfg: ModelConfig, layer: int) -> tuple[str, str, str]:
+    """(gate, up, down) of a non-sparse layer's MLP."""
+    if cfg.sparse_layers[layer]:
+        raise ValueError(f"layer {layer} is sparse")
+    p = f"{_layer(layer)}.mlp"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (V, H)
+    for i in range(cfg.num_layers):
+        p = _layer(i)
+        out[f"{p}.input_layernorm.weight"] = (H,)
+        out[f"{p}.post_attention_layernorm.weight"] = (H,)
+        a = f"{p}.self_attn"
+        out.update({f"{a}.q_proj.weight": (q, H), f"{a}.k_proj.weight": (kv, H),
+                    f"{a}.v_proj.weight": (kv, H), f"{a}.o_proj.weight": (H, q)})
+        if cfg.qkv_bias:
+            out.update({f"{a}.q_proj.bias": (q,), f"{a}.k_proj.bias": (kv,), f"{a}.v_proj.bias": (kv,)})
+        if cfg.sparse_layers[i]:
+            I = cfg.moe_intermediate_size
+            out[router_name(cfg, i)] = (cfg.num_experts, H)
+            for e in range(cfg.num_experts):
+                g, u, d = expert_tensor_names(cfg, i, e)
+                out.update({g: (I, H), u: (I, H), d: (H, I)})
+            shared = shared_expert_names(cfg, i)
+            if shared:
+                S = cfg.shared_expert_intermediate_size
+                g, u, d, sg = shared
+                out.update({g: (S, H), u: (S, H), d: (H, S), sg: (1, H)})
+        else:
+            I = cfg.dense_intermediate_size
+            g, u, d = dense_mlp_names(cfg, i)
+            out.update({g: (I, H), u: (I, H), d: (H, I)})
+    return out
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+class Checkpoint:
+    def __init__(self, path: Path, config: ModelConfig, handles: dict[Path, object],
+                 locations: dict[str, Path]):
+        self.path = path
+        self.config = config
+        self._handles = handles  # one safe_open per file; mmapped, so cheap to keep open
+        self._locations = locations
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: str | Path) -> "Checkpoint":
+        path = Path(path).absolute()
+        if not path.exists():
+            raise CheckpointError(f"{path}: no such directory")
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: not a directory")
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{path}: missing config.json")
+        try:
+            cfg = ModelConfig.from_hf(cfg_path)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+
+        # name -> (file, the file to blame when it is absent: the index if one listed it)
+        listed: dict[str, Path] = {}
+        index = path / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                assert isinstance(weight_map, dict)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{index}: invalid JSON ({e})") from None
+            except (KeyError, TypeError, AssertionError):
+                raise CheckpointError(f"{index}: no weight_map object") from None
+            for name, fname in weight_map.items():
+                f = path / fname
+                if not f.is_file():
+                    raise CheckpointError(f"{index}: refers to missing file {fname}")
+                listed[name] = f
+            files = sorted(set(listed.values()))
+            blame = index
+        elif (path / SINGLE_NAME).is_file():
+            files = [path / SINGLE_NAME]
+            blame = files[0]
+        else:
+            raise CheckpointError(f"{path}: no weights ({SINGLE_NAME} or {INDEX_NAME})")
+
+        handles, locations, shapes = {}, {}, {}
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="pt", device="cpu")
+                for name in h.keys():
+                    locations.setdefault(name, f)
+                    shapes.setdefault(name, tuple(h.get_slice(name).get_shape()))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"{f}: corrupt safetensors header ({e})") from None
+            handles[f] = h
+
+        for name, want in expected_tensors(cfg).items():
+            if name in listed and locations.get(name) != listed[name]:
+                raise CheckpointError(f"{listed[name]}: missing tensor {name} (listed in {INDEX_NAME})")
+            if name not in locations:
+                raise CheckpointError(f"{blame}: missing tensor {name}")
+            if shapes[name] != want:
+                raise CheckpointError(f"{locations[name]}: tensor {name} has shape "
+                                      f"{_fmt(shapes[name])}, expected {_fmt(want)}")
+        return cls(path, cfg, handles, locations)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._locations
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._locations)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def _handle(self, name: str):
+        f = self._locations.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.path}: no tensor {name}")
+        with self._lock:
+            h = self._handles.get(f)
+            if h is None:  # reopened after close()
+                h = self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
+        return h
+
+    def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        t = self._handle(name).get_tensor(name)
+        return t.to(device=device, dtype=dtype) if dtype is not None or str(device) != "cpu" else t
+
+    def close(self) -> None:
+        with self._lock:
+            self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, {self.config.architecture}, {len(self._locations)} tensors)"

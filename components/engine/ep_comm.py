@@ -1,0 +1,56 @@
+"""The EP communicator interface: fixed-capacity all-to-all among a changeable set of ranks.
+
+Membership changes in place: buffers are sized for `max_ranks` and registered once, and the
+active set is a mask. A rank may be connected to a peer without the peer being active (a joiner
+being prepared), which is what lets a running group prepare a scale-up while it keeps serving.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Protocol
+
+import torch
+
+
+class EPError(RuntimeError):
+    """A collective could not complete: a peer is gone, timed out, or the input is invalid."""
+
+
+class EPCommunicator(Protocol):
+    rank: int
+    max_ranks: int
+    capacity_bytes: int  # most bytes one rank may send to one peer in one all_to_all
+
+    def metadata(self) -> bytes:
+        """What a peer needs to connect to this rank (opaque, stable for the process lifetime)."""
+
+    def connect(self, peers: Mapping[int, bytes], activate: bool = False) -> None:
+        """Connect peers (rank -> metadata). Connected peers stay masked unless `activate`."""
+
+    def disconnect(self, ranks: Iterable[int]) -> None:
+        """Forget peers; they are masked first."""
+
+    def set_active(self, ranks: Iterable[int], epoch: int) -> None:
+        """Install the active set for `epoch`. Collectives are tagged with the epoch, so every rank
+        of the new set must install the same set with the same epoch before its next collective."""
+
+    def mask_remote(self) -> None:
+        """Only this rank is active (a joiner warming up alone). Collectives become local."""
+
+    @property
+    def active(self) -> tuple[int, ...]:
+        """Active ranks, ascending. Always contains `rank` unless this rank was masked out."""
+
+    @property
+    def connected(self) -> tuple[int, ...]:
+        """Connected ranks (including this one), ascending."""
+
+    def all_to_all(self, send: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Variable-size all-to-all among the active ranks.
+
+        `send` maps destination rank -> contiguous 1-D uint8 tensor of at most `capacity_bytes`;
+        a missing destination sends zero bytes. Every active rank must make the same sequence of
+        calls. Returns source rank -> uint8 tensor (owned by the caller) for every active rank,
+        this one included. Raises EPError on timeout or a dead peer."""
+
+    def close(self) -> None: ...

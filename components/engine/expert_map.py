@@ -1,0 +1,111 @@
+"""Where each expert lives: physical slot -> logical expert, per MoE layer.
+
+Physical slots are fixed at launch: every rank owns `slots_per_rank` of them, whether it is active
+or not, so the table has `max_ranks * slots_per_rank` entries and never changes shape. A new
+placement is copied into the same tensors (`install`), which is what lets a captured decode keep
+reading the map across a scale operation. Slots beyond one copy of every expert hold redundant
+replicas; tokens are spread over replicas deterministically by token index.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import msgspec
+import torch
+
+
+class Placement(msgspec.Struct, frozen=True):
+    """A serialisable expert map: `slots[layer][physical_slot]` = logical expert, or -1."""
+
+    slots_per_rank: int
+    slots: list[list[int]]
+
+    def experts_on(self, rank: int, layer: int) -> list[int]:
+        base = rank * self.slots_per_rank
+        return self.slots[layer][base : base + self.slots_per_rank]
+
+    def ranks_used(self) -> set[int]:
+        return {s // self.slots_per_rank for row in self.slots for s, e in enumerate(row) if e >= 0}
+
+
+def slots_needed(num_experts: int, min_ranks: int, redundant: int = 0) -> int:
+    """Slots each rank must own so that `min_ranks` active ranks can hold every expert."""
+    return math.ceil((num_experts + redundant) / max(1, min_ranks))
+
+
+def balanced_placement(
+    num_layers: int, num_experts: int, max_ranks: int, slots_per_rank: int, active: Sequence[int]
+) -> Placement:
+    """Spread experts over the active ranks' slots; fill the remaining active slots with replicas.
+
+    Expert e goes to active rank e % n (so every rank gets a share), and spare slots cycle through
+    the experts again, which gives each expert at most ceil(slots/E) copies."""
+    active = sorted(active)
+    n = len(active)
+    if n == 0:
+        raise ValueError("an expert placement needs at least one active rank")
+    capacity = n * slots_per_rank
+    if capacity < num_experts:
+        raise ValueError(
+            f"{n} active ranks x {slots_per_rank} slots = {capacity} slots cannot hold "
+            f"{num_experts} experts; launch with more slots per rank or keep more ranks active"
+        )
+    row = [-1] * (max_ranks * slots_per_rank)
+    fill = [0] * n  # next free slot index on each active rank
+    for i in range(capacity):
+        expert = i % num_experts
+        r = i % n
+        row[active[r] * slots_per_rank + fill[r]] = expert
+        fill[r] += 1
+    return Placement(slots_per_rank=slots_per_rank, slots=[list(row) for _ in range(num_layers)])
+
+
+class ExpertMap:
+    """Device-side routing tables built from a Placement, updated in place."""
+
+    def __init__(
+        self, num_layers: int, num_experts: int, max_ranks: int, slots_per_rank: int, device="cpu"
+    ):
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.max_ranks, self.slots_per_rank = max_ranks, slots_per_rank
+        total = max_ranks * slots_per_rank
+        # A logical expert can have at most one replica per physical slot.
+        self.max_replicas = total
+        self.slot_to_expert = torch.full((num_layers, total), -1, dtype=torch.int32, device=device)
+        self.replica_slots = torch.zeros(
+            (num_layers, num_experts, self.max_replicas), dtype=torch.int64, device=device
+        )
+        self.num_replicas = torch.zeros((num_layers, num_experts), dtype=torch.int64, device=device)
+        self.placement: Placement | None = None
+
+    def install(self, placement: Placement) -> None:
+        if placement.slots_per_rank != self.slots_per_rank or len(placement.slots) != self.num_layers:
+            raise ValueError(
+                f"placement has {len(placement.slots)} layers x {placement.slots_per_rank} slots/rank, "
+                f"this map is {self.num_layers} x {self.slots_per_rank}"
+            )
+        s2e = torch.tensor(placement.slots, dtype=torch.int32)
+        if s2e.shape[1] != self.slot_to_expert.shape[1]:
+            raise ValueError(f"placement has {s2e.shape[1]} slots, expected {self.slot_to_expert.shape[1]}")
+        reps = torch.zeros_like(self.replica_slots, device="cpu")
+        counts = torch.zeros_like(self.num_replicas, device="cpu")
+        for layer, row in enumerate(placement.slots):
+            for slot, expert in enumerate(row):
+                if expert >= 0:
+                    reps[layer, expert, counts[layer, expert]] = slot
+                    counts[layer, expert] += 1
+            missing = (counts[layer] == 0).nonzero().flatten().tolist()
+            if missing:
+                raise ValueError(f"placement leaves experts {missing} of layer {layer} without a slot")
+        self.slot_to_expert.copy_(s2e)
+        self.replica_slots.copy_(reps)
+        self.num_replicas.copy_(counts)
+        self.placement = placement
+
+    def route(self, layer: int, experts: torch.Tensor) -> torch.Tensor:
+        """Logical experts [T, k] -> physical slots [T, k]; replicas chosen by token index."""
+        t = torch.arange(experts.shape[0], device=experts.device).unsqueeze(1)
+        replica = t % self.num_replicas[layer][experts]
+        return self.replica_slots[layer][experts, replica]

@@ -1,0 +1,131 @@
+"""Building blocks shared by the model files: norm, rotary embedding, attention over a KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ForwardBatch:
+    """One engine step: the new tokens of every scheduled sequence, flattened.
+
+    Sequence i contributes `q_lens[i]` tokens (a prefill chunk or one decode token) and has
+    `ctx_lens[i]` tokens in its KV cache once this step has written them."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    token_slots: torch.Tensor  # [T] KV slot of each token's sequence
+    slots: torch.Tensor  # [B] KV slot of each sequence
+    ctx_lens: torch.Tensor  # [B]
+    last_index: torch.Tensor  # [B] index in T of each sequence's last token
+    q_lens: list[int]
+    ctx_lens_list: list[int]
+    kv_len: int  # keys read per decode sequence: max context here, the whole cache under a graph
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.q_lens)
+
+
+class KVCache:
+    """Per-layer K and V for `max_seqs` sequences of up to `max_len` tokens, allocated once."""
+
+    def __init__(self, num_layers, max_seqs, max_len, num_kv_heads, head_dim, dtype, device):
+        shape = (max_seqs, max_len, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_seqs, self.max_len = max_seqs, max_len
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """HF-style rotary embedding (rotate_half over split halves), table computed in fp32."""
+
+    def __init__(self, head_dim: int, theta: float, max_len: int):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden, num_heads, num_kv_heads, head_dim, bias: bool, rotary: Rotary, layer: int):
+        super().__init__()
+        self.nh, self.nkv, self.hd, self.layer = num_heads, num_kv_heads, head_dim, layer
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.rotary(self.q_proj(x).view(T, self.nh, self.hd), batch.positions)
+        k = self.rotary(self.k_proj(x).view(T, self.nkv, self.hd), batch.positions)
+        v = self.v_proj(x).view(T, self.nkv, self.hd)
+        kc, vc = kv.k[self.layer], kv.v[self.layer]
+        kc[batch.token_slots, batch.positions] = k
+        vc[batch.token_slots, batch.positions] = v
+        if batch.decode_only:
+            out = self._decode(q, kc, vc, batch)
+        else:
+            out = torch.cat([self._prefill(q, kc, vc, batch, i) for i in range(len(batch.q_lens))])
+        return self.o_proj(out.reshape(T, self.nh * self.hd))
+
+    def _decode(self, q, kc, vc, batch: ForwardBatch) -> torch.Tensor:
+        # Batched over sequences with a length mask: fixed shapes, so it can be graph-captured.
+        S = batch.kv_len
+        keys = kc[batch.slots, :S].transpose(1, 2)
+        vals = vc[batch.slots, :S].transpose(1, 2)
+        mask = (torch.arange(S, device=q.device) < batch.ctx_lens.unsqueeze(1))[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, enable_gqa=True)
+        return out.squeeze(2)
+
+    def _prefill(self, q, kc, vc, batch: ForwardBatch, i: int) -> torch.Tensor:
+        n, ctx = batch.q_lens[i], batch.ctx_lens_list[i]
+        start = int(batch.last_index[i]) - n + 1
+        slot = int(batch.slots[i])
+        qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
+        keys = kc[slot, :ctx].transpose(0, 1).unsqueeze(0)
+        vals = vc[slot, :ctx].transpose(0, 1).unsqueeze(0)
+        # Query j sits at absolute position ctx - n + j and sees keys up to that position.
+        qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
+        out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP, the dense and shared-expert form (HF names gate_proj/up_proj/down_proj)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,79 @@
+"""The decoder-only MoE transformer shared by the architectures; each architecture file defines
+only its decoder block. Module names follow the Hugging Face checkpoints, so the parameters load
+by name (`named_parameters()` == checkpoint names) and the same list drives peer weight pulls."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from components.engine.checkpoint import Checkpoint, expert_tensor_names
+from components.engine.config import ModelConfig
+from components.engine.expert_map import Placement
+from components.engine.layers import ForwardBatch, KVCache, RMSNorm, Rotary
+from components.engine.moe import ExpertParallel, SparseMoE
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig, block_cls, ep: ExpertParallel, max_len: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_len)
+        self.layers = nn.ModuleList(block_cls(cfg, i, ep, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, block_cls, ep: ExpertParallel, max_len: int):
+        super().__init__()
+        self.cfg, self.ep = cfg, ep
+        self.model = _Body(cfg, block_cls, ep, max_len)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def moe_layers(self) -> list[tuple[int, SparseMoE]]:
+        return [(i, b.moe) for i, b in enumerate(self.model.layers) if b.moe is not None]
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Logits (fp32) of each sequence's last token: [B, vocab]."""
+        x = self.model.embed_tokens(batch.input_ids)
+        for block in self.model.layers:
+            x = block(x, batch, kv)
+        x = self.model.norm(x[batch.last_index])
+        return self.lm_head(x).float()
+
+    def dummy_step(self) -> None:
+        """Take part in every MoE collective with no tokens of our own (an idle rank)."""
+        x = torch.zeros(0, self.cfg.hidden_size, dtype=self.lm_head.weight.dtype,
+                        device=self.lm_head.weight.device)
+        for _, moe in self.moe_layers:
+            moe(x)
+
+    def weight_names(self) -> list[str]:
+        """Non-expert weights, by checkpoint name (a tied lm_head appears once)."""
+        return [n for n, _ in self.named_parameters()]
+
+    def load_dense(self, ckpt: Checkpoint) -> None:
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(ckpt.get(name, dtype=p.dtype))
+
+    def load_experts(self, ckpt: Checkpoint, placement: Placement, rank: int) -> None:
+        """Fill this rank's slots with the experts the placement puts there."""
+        with torch.no_grad():
+            for layer, moe in self.moe_layers:
+                for slot, expert in enumerate(placement.experts_on(rank, layer)):
+                    if expert >= 0:
+                        names = expert_tensor_names(self.cfg, layer, expert)
+                        moe.load_slot(slot, *(ckpt.get(n, dtype=moe.w_gate.dtype) for n in names))
+
+
+def build_model(cfg: ModelConfig, ep: ExpertParallel, max_len: int, dtype, device) -> MoETransformer:
+    from components.engine import mixtral, qwen2_moe
+
+    blocks = {"mixtral": mixtral.MixtralBlock, "qwen2_moe": qwen2_moe.Qwen2MoeBlock}
+    with torch.device(device):
+        model = MoETransformer(cfg, blocks[cfg.architecture], ep, max_len)
+    return model.to(dtype=dtype).eval()

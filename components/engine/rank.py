@@ -1,0 +1,251 @@
+"""One DP/EP rank: its own requests (data-parallel attention), a share of the experts, and a step
+loop that moves in lockstep with the other active ranks.
+
+Every step starts with a tiny all-to-all of (has_work, wants_pause) among the active ranks. All
+ranks see the same headers, so they take the same decision: run a step (a rank with no requests of
+its own runs a dummy step so that MoE collectives never hang), idle, or pause. Pausing through the
+header is what lets a controller stop a whole group at one step boundary without a separate
+barrier: a rank that has not yet heard the pause request stops because its peers asked.
+Control work (new active set, expert placement, weight loads) runs on the loop thread while
+paused, or between steps when it only touches this rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+from concurrent.futures import Future
+from typing import Callable, Protocol
+
+import msgspec
+import torch
+
+from components.engine.checkpoint import Checkpoint
+from components.engine.ep_comm import EPCommunicator, EPError
+from components.engine.expert_map import ExpertMap, Placement, balanced_placement, slots_needed
+from components.engine.layers import KVCache
+from components.engine.model import build_model
+from components.engine.moe import ExpertParallel
+from components.engine.request import GenerateRequest, RequestError, TokenOutput
+from components.engine.sampler import sample
+from components.engine.scheduler import Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RankConfig(msgspec.Struct, frozen=True):
+    rank: int = 0
+    max_ranks: int = 1
+    device: str = "cpu"
+    dtype: str = ""  # "" = the checkpoint's dtype
+    max_seqs: int = 16
+    max_len: int = 1024
+    max_batched_tokens: int = 256
+    min_ranks: int = 1  # fewest active ranks that must hold every expert: sizes the expert slots
+    redundant_experts: int = 0
+    idle_wait_s: float = 0.002
+    ep_timeout_s: float = 30.0
+
+
+class CommFactory(Protocol):
+    def __call__(self, rank: int, max_ranks: int, capacity_bytes: int, device: str) -> EPCommunicator: ...
+
+
+def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, device: str, timeout_s: float = 30.0):
+    from components.engine.ep_nixl import NixlCommunicator
+
+    return NixlCommunicator(rank, max_ranks, capacity_bytes, device=device, timeout_s=timeout_s)
+
+
+class EngineRank:
+    def __init__(self, cfg: RankConfig, model_dir: str, comm: EPCommunicator | None = None):
+        self.cfg = cfg
+        self.ckpt = Checkpoint.open(model_dir)
+        mc = self.model_config = self.ckpt.config
+        self.dtype = DTYPES[cfg.dtype or mc.dtype]
+        self.device = torch.device(cfg.device)
+        if cfg.max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_len {cfg.max_len} exceeds the model's {mc.max_position_embeddings} positions")
+        self.slots_per_rank = min(mc.num_experts, slots_needed(mc.num_experts, cfg.min_ranks, cfg.redundant_experts))
+        # The largest message of a step: every token's top-k rows to one peer (row + int32 slot).
+        row = mc.hidden_size * self.dtype.itemsize + 4
+        capacity = max(64, cfg.max_batched_tokens * mc.top_k * row)
+        self.comm = comm or nixl_comm(cfg.rank, cfg.max_ranks, capacity, cfg.device, cfg.ep_timeout_s)
+        self.expert_map = ExpertMap(mc.num_layers, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
+        self.model = build_model(mc, ExpertParallel(self.comm, self.expert_map), cfg.max_len, self.dtype, self.device)
+        self.model.load_dense(self.ckpt)
+        self.kv = KVCache(mc.num_layers, cfg.max_seqs, cfg.max_len, mc.num_kv_heads, mc.head_dim,
+                          self.dtype, self.device)
+        self.sched = Scheduler(cfg.max_seqs, cfg.max_len, cfg.max_batched_tokens, mc.eos_token_ids)
+        self.steps = 0  # forward steps taken (dummy steps included)
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._pause_wanted = False
+        self._paused = False
+        self._pause_waiters: list[Future] = []
+        self._peers_busy = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- setup -------------------------------------------------------------------------------
+    def place_experts(self, placement: Placement) -> None:
+        """Install a placement and load this rank's slots from the checkpoint (call while the
+        group is paused, or before the loop starts)."""
+        self.expert_map.install(placement)
+        self.model.load_experts(self.ckpt, placement, self.cfg.rank)
+
+    def default_placement(self, active) -> Placement:
+        mc = self.model_config
+        return balanced_placement(mc.num_layers, mc.num_experts, self.cfg.max_ranks, self.slots_per_rank, active)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"rank{self.cfg.rank}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+        self.comm.close()
+
+    # ---- requests (any thread) -----------------------------------------------------------------
+    def validate(self, req: GenerateRequest) -> None:
+        n, L, V = len(req.prompt), self.cfg.max_len, self.model_config.vocab_size
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if req.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {req.max_tokens}")
+        if n + req.max_tokens > L:
+            raise RequestError(
+                f"this model's context is {L} tokens; the prompt has {n} and max_tokens is "
+                f"{req.max_tokens} ({n + req.max_tokens} in all)")
+        bad = [t for t in req.prompt if not 0 <= t < V]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (size {V})")
+        if req.temperature < 0 or not 0 < req.top_p <= 1:
+            raise RequestError(f"temperature must be >= 0 and top_p in (0, 1]; got {req.temperature}, {req.top_p}")
+
+    def submit(self, req: GenerateRequest, emit: Callable[[TokenOutput], None]) -> None:
+        """Queue a request; `emit` is called on the loop thread with each new token and the end."""
+        self.validate(req)
+        gen = None
+        if req.temperature > 0:
+            gen = torch.Generator()
+            gen.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
+        seq = Sequence(req=req, emit=emit, tokens=list(req.prompt), generator=gen)
+        self._post(lambda: self.sched.add(seq))
+
+    def cancel(self, request_id: str) -> None:
+        self._post(lambda: self.sched.cancel(request_id))
+
+    # ---- control (any thread) ------------------------------------------------------------------
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the loop thread between steps (or while paused); returns its result."""
+        fut: Future = Future()
+
+        def run():
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # surfaced to the caller, the loop goes on
+                fut.set_exception(e)
+
+        self._post(run)
+        return fut
+
+    def pause(self) -> Future:
+        """Resolves once the whole active group stands at one step boundary."""
+        fut: Future = Future()
+
+        def ask():
+            if self._paused:
+                fut.set_result(self.steps)
+            else:
+                self._pause_wanted = True
+                self._pause_waiters.append(fut)
+
+        self._post(ask)
+        return fut
+
+    def resume(self) -> Future:
+        def go():
+            self._paused = False
+
+        return self.call(go)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # ---- loop ----------------------------------------------------------------------------------
+    def _post(self, fn: Callable[[], None]) -> None:
+        self._inbox.put(fn)
+        self._wake.set()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                fn = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            self._drain()
+            if not self._paused and self._pause_wanted and self.cfg.rank not in self.comm.active:
+                self._enter_pause()  # not in any collective: nobody else to agree with
+            if self._paused or self.cfg.rank not in self.comm.active:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            has_work = self.sched.has_work()
+            if not has_work and not self._peers_busy and not self._pause_wanted:
+                # Nobody had work last time: wait a little for ours before asking again.
+                if self._wake.wait(self.cfg.idle_wait_s):
+                    self._wake.clear()
+                    self._drain()
+                has_work = self.sched.has_work()
+            try:
+                self._step(has_work)
+            except EPError as e:
+                log.error("rank %d: EP collective failed, pausing until the router acts: %s", self.cfg.rank, e)
+                self.sched.fail_all(f"error: {e}")
+                self._paused = True
+
+    def _enter_pause(self) -> None:
+        self._pause_wanted, self._paused, self._peers_busy = False, True, False
+        waiters, self._pause_waiters = self._pause_waiters, []
+        for fut in waiters:
+            fut.set_result(self.steps)
+
+    def _step(self, has_work: bool) -> None:
+        header = torch.tensor([int(has_work), int(self._pause_wanted)], dtype=torch.int64)
+        raw = header.view(torch.uint8)
+        heads = self.comm.all_to_all({r: raw for r in self.comm.active})
+        flags = torch.stack([h.view(torch.int64) for h in heads.values()])
+        if bool(flags[:, 1].any()):
+            self._enter_pause()
+            return
+        self._peers_busy = bool(flags[:, 0].any())
+        if not self._peers_busy:
+            return
+        self.steps += 1
+        work = self.sched.schedule()
+        if not work:
+            self.model.dummy_step()
+            return
+        batch = self.sched.batch(work, self.device)
+        logits = self.model(batch, self.kv)
+        nxt: list[int | None] = []
+        for i, (seq, n) in enumerate(work):
+            if seq.num_computed + n < len(seq.tokens):
+                nxt.append(None)
+            else:
+                nxt.append(sample(logits[i], seq.req.temperature, seq.req.top_p, seq.generator))
+        self.sched.update(work, nxt)

@@ -1,0 +1,116 @@
+"""Continuous batching: decodes first, then prefill chunks up to a token budget per step."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from components.engine.layers import ForwardBatch
+from components.engine.request import GenerateRequest, TokenOutput
+
+
+@dataclass
+class Sequence:
+    req: GenerateRequest
+    emit: Callable[[TokenOutput], None]
+    tokens: list[int]
+    slot: int = -1
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    generator: torch.Generator | None = None
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+class Scheduler:
+    def __init__(self, max_seqs: int, max_len: int, max_batched_tokens: int, eos_token_ids):
+        self.max_len, self.budget = max_len, max_batched_tokens
+        self.eos = set(eos_token_ids)
+        self.free_slots = list(range(max_seqs))[::-1]
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def cancel(self, request_id: str) -> None:
+        for seq in [*self.waiting, *self.running]:
+            if seq.req.request_id == request_id:
+                self._finish(seq, "cancelled")
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            self.running.append(seq)
+        work, budget = [], self.budget
+        for seq in sorted(self.running, key=lambda s: s.pending > 1):  # decodes first
+            n = min(seq.pending, budget)
+            if n > 0:
+                work.append((seq, n))
+                budget -= n
+        return work
+
+    def batch(self, work: list[tuple[Sequence, int]], device, graph_len: int | None = None) -> ForwardBatch:
+        ids, pos, tslots, last, ctx = [], [], [], [], []
+        for seq, n in work:
+            start = seq.num_computed
+            ids += seq.tokens[start : start + n]
+            pos += range(start, start + n)
+            tslots += [seq.slot] * n
+            last.append(len(ids) - 1)
+            ctx.append(start + n)
+
+        def t(v):
+            return torch.tensor(v, dtype=torch.int64, device=device)
+
+        return ForwardBatch(
+            input_ids=t(ids), positions=t(pos), token_slots=t(tslots),
+            slots=t([s.slot for s, _ in work]), ctx_lens=t(ctx), last_index=t(last),
+            q_lens=[n for _, n in work], ctx_lens_list=ctx, kv_len=graph_len or max(ctx),
+        )
+
+    def update(self, work: list[tuple[Sequence, int]], next_tokens: list[int | None]) -> None:
+        """Advance sequences after a step; `next_tokens[i]` is the sampled token of a sequence
+        whose whole context is now cached, None for a prefill chunk that is not the last."""
+        for (seq, n), tok in zip(work, next_tokens):
+            seq.num_computed += n
+            if tok is None or seq.slot < 0:
+                continue
+            seq.tokens.append(tok)
+            seq.generated.append(tok)
+            reason = self._stop_reason(seq, tok)
+            if reason:
+                self._finish(seq, reason, [tok])
+            else:
+                seq.emit(TokenOutput(seq.req.request_id, [tok]))
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        if not seq.req.ignore_eos and tok in self.eos:
+            return "eos"
+        if tok in seq.req.stop_token_ids:
+            return "stop"
+        if len(seq.generated) >= seq.req.max_tokens or len(seq.tokens) >= self.max_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, tokens: list[int] | None = None) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.slot = -1
+        seq.emit(TokenOutput(seq.req.request_id, tokens or [], reason))
+
+    def fail_all(self, reason: str) -> None:
+        for seq in [*self.waiting, *self.running]:
+            self._finish(seq, reason)

@@ -1,0 +1,51 @@
+"""Dynamo runtime construction for graph processes.
+
+The Rust runtime reads its transport settings from the environment when the
+`DistributedRuntime` is built, so they are set here, just before, from the graph context.
+Verified in ai-dynamo-runtime 1.6.1: `DistributedRuntime(event_loop, discovery_backend,
+request_plane, enable_nats=None, *, event_plane=None, response_plane=None)`; the binary reads
+DYN_FILE_KV, DYN_TCP_RPC_HOST, DYN_TCP_RESPONSE_STREAM_HOST and ETCD_ENDPOINTS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from dynamo.runtime import DistributedRuntime
+
+from components.component import GraphContext
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def runtime_env(ctx: GraphContext) -> dict[str, str]:
+    """The environment the chosen discovery backend needs (nothing is overwritten that the
+    user set explicitly for the transport hosts, so multi-host setups can advertise real IPs)."""
+    env: dict[str, str] = {"DYN_REQUEST_PLANE": "tcp", "DYN_DISCOVERY_BACKEND": ctx.discovery}
+    if ctx.discovery == "file":
+        if not ctx.discovery_dir:
+            raise ValueError("file discovery needs a discovery_dir")
+        env["DYN_FILE_KV"] = ctx.discovery_dir
+        # File discovery only spans one machine, so advertise loopback: no interface guessing.
+        env["DYN_TCP_RPC_HOST"] = os.environ.get("DYN_TCP_RPC_HOST", LOOPBACK)
+        env["DYN_TCP_RESPONSE_STREAM_HOST"] = os.environ.get(
+            "DYN_TCP_RESPONSE_STREAM_HOST", LOOPBACK
+        )
+    elif ctx.discovery == "etcd":
+        if not ctx.etcd_endpoints:
+            raise ValueError("etcd discovery needs etcd_endpoints")
+        env["ETCD_ENDPOINTS"] = ctx.etcd_endpoints
+    else:
+        raise ValueError(f"unknown discovery backend {ctx.discovery!r} (file or etcd)")
+    return env
+
+
+def make_runtime(loop: asyncio.AbstractEventLoop, ctx: GraphContext) -> DistributedRuntime:
+    env = runtime_env(ctx)
+    os.environ.update(env)
+    log.debug("runtime env %s", env)
+    return DistributedRuntime(loop, ctx.discovery, "tcp")

@@ -1,0 +1,248 @@
+"""`dynamo serve` end to end: the real console command, real Dynamo processes (echo graph)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAPH = "tests/graphs/echo:Frontend"
+DYNAMO = shutil.which("dynamo")
+
+pytestmark = pytest.mark.skipif(
+    DYNAMO is None, reason="`dynamo` console script missing: pip install -e . --no-deps"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [DYNAMO, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+class Served:
+    """A `dynamo serve` run whose merged output goes to a file we poll."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.port = free_port()
+        self.log_path = tmp / "serve.log"
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [DYNAMO, "serve", GRAPH, f"--Frontend.port={self.port}", *args],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float = 30) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.output)
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{pattern!r} not seen in serve output:\n{self.output[-4000:]}")
+
+    def pids(self) -> dict[str, int]:
+        return {m[1]: int(m[2]) for m in re.finditer(r"started (\S+) \(pid (\d+)", self.output)}
+
+    def discovery_dir(self) -> str:
+        return self.wait_for(r"file discovery \((/[^)]+)\)")[1]
+
+    def wait_models(self, n_workers: int, timeout: float = 40) -> None:
+        self.wait_for(r"started Frontend \(pid")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output[-4000:]
+            try:
+                r = httpx.get(f"{self.url}/models", timeout=2)
+                if r.status_code == 200 and any(m["id"] == "echo" for m in r.json()["data"]):
+                    served = len(re.findall(r"rank \d+ serving model", self.output))
+                    if served >= n_workers:
+                        return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"model never listed:\n{self.output[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        for pid in self.pids().values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self._log.close()
+
+
+@pytest.fixture
+def serve_factory(tmp_path: Path) -> Iterator:
+    runs: list[Served] = []
+
+    def start(*args: str) -> Served:
+        s = Served(tmp_path, *args)
+        runs.append(s)
+        return s
+
+    yield start
+    for s in runs:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI surface (nothing starts)
+
+
+def test_help_explains_options() -> None:
+    r = run_cli("serve", "--help")
+    assert r.returncode == 0, r.stderr
+    for text in ("--Name.key=value", "-f", "--namespace", "--discovery", "--etcd-endpoints", "exit codes"):
+        assert text in r.stdout
+    r = run_cli("serve", GRAPH, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--Frontend.port: int = 8000" in r.stdout
+    assert "--EchoWorker.replicas: int = 1" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--Frontend.nope=1", "Frontend has no field 'nope'"),
+        ("--Frontend.port=abc", "wrong type for Frontend.port"),
+        ("--Nope.port=1", "unknown component 'Nope'"),
+        ("--EchoWorker.replicas=[1]", "wrong type for EchoWorker.replicas"),
+    ],
+)
+def test_bad_override_exits_2(override: str, message: str) -> None:
+    r = run_cli("serve", GRAPH, override)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr
+    assert "started" not in r.stderr
+
+
+def test_bad_config_file_exits_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("Frontend: {port: eighty}\n")
+    r = run_cli("serve", GRAPH, "-f", str(cfg))
+    assert r.returncode == 2 and "Frontend.port" in r.stderr, r.stderr
+    cfg.write_text("Router: {x: 1}\n")
+    r = run_cli("serve", GRAPH, "-f", str(cfg))
+    assert r.returncode == 2 and "unknown component 'Router'" in r.stderr, r.stderr
+
+
+def test_config_layers_and_module_form(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("Frontend: {port: 9001, migration_limit: 0}\nEchoWorker: {replicas: 3, model_name: m}\n")
+    r = run_cli("serve", "tests.graphs.echo:Frontend", "-f", str(cfg), "--Frontend.port=9002",
+                "--EchoWorker.model_name", "123", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert '"port": 9002' in out and '"migration_limit": 0' in out and '"replicas": 3' in out
+    assert '"model_name": "123"' in out  # a string field keeps the raw text
+    labels = re.findall(r"^(\S+?)(?: \(non-critical\))?: ", out, re.M)
+    assert labels == ["EchoWorker.0", "EchoWorker.1", "EchoWorker.2", "Frontend"]
+
+
+def test_bad_graph_exits_2() -> None:
+    r = run_cli("serve", "tests/graphs/missing:Frontend")
+    assert r.returncode == 2 and "not found" in r.stderr
+    r = run_cli("serve", "tests.graphs.echo:Nope")
+    assert r.returncode == 2 and "no attribute 'Nope'" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# live graphs
+
+
+def test_serve_echo_graph(serve_factory) -> None:
+    s = serve_factory("--EchoWorker.replicas=2")
+    ddir = s.discovery_dir()
+    s.wait_models(n_workers=2)
+    assert f"OpenAI API: {s.url}" in s.output
+
+    client = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=20)
+    assert [m.id for m in client.models.list().data] == ["echo"]
+    for _ in range(4):  # round-robin: both ranks answer
+        c = client.completions.create(model="echo", prompt="hello world", max_tokens=32)
+        assert c.choices[0].text == "hello world"
+    assert "[Frontend] " in s.output and "[EchoWorker.1] " in s.output
+    assert len(re.findall(r"\[EchoWorker\.\d\] .*request received", s.output)) >= 4
+
+    # A worker rank is not critical: reported, and the graph keeps serving.
+    pids = s.pids()
+    os.kill(pids["EchoWorker.0"], signal.SIGKILL)
+    s.wait_for(r"component EchoWorker\.0 \(pid \d+\) was killed by signal SIGKILL; non-critical")
+    c = client.completions.create(model="echo", prompt="still here", max_tokens=32)
+    assert c.choices[0].text == "still here"
+    assert s.proc.poll() is None
+
+    # SIGTERM: clean stop, exit 0, no child left, private discovery dir removed.
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(30) == 0, s.output[-3000:]
+    assert "stopping (terminated)" in s.output
+    assert [label for label, pid in pids.items() if alive(pid)] == []
+    assert not os.path.exists(ddir)
+
+
+def test_critical_death_stops_graph(serve_factory) -> None:
+    s = serve_factory()
+    ddir = s.discovery_dir()
+    s.wait_models(n_workers=1)
+    pids = s.pids()
+    os.kill(pids["Frontend"], signal.SIGKILL)
+    rc = s.proc.wait(30)
+    assert rc != 0
+    assert re.search(r"component Frontend \(pid \d+\) was killed by signal SIGKILL; it is critical", s.output)
+    assert "Last log lines" in s.output
+    assert not alive(pids["EchoWorker.0"])
+    assert not os.path.exists(ddir)
+
+
+def test_dynamo_without_subcommand_is_usage_error() -> None:
+    r = run_cli()
+    assert r.returncode == 2 and "serve" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "components.serve", "serve"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "a graph is required" in r.stderr
