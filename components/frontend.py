@@ -18,6 +18,9 @@ from components.component import Component, component_config, load_context
 log = logging.getLogger("components.frontend")
 
 
+ROUTER_MODES = ("round-robin", "random")
+
+
 class Frontend(Component):
     class Config(msgspec.Struct, forbid_unknown_fields=True):
         host: str = "127.0.0.1"
@@ -26,6 +29,15 @@ class Frontend(Component):
         # times; with 0 the client sees the failure while a dead entry is still routable.
         migration_limit: int = 3
         router_mode: str = "round-robin"
+
+        def __post_init__(self) -> None:
+            # Raised here so `dynamo serve` rejects a bad value before anything starts.
+            if self.router_mode not in ROUTER_MODES:
+                raise ValueError(f"router_mode must be one of {', '.join(ROUTER_MODES)}")
+            if not 0 <= self.port <= 65535:
+                raise ValueError("port must be in 0..65535")
+            if self.migration_limit < 0:
+                raise ValueError("migration_limit must be >= 0")
 
     module: ClassVar[str] = "components.frontend"
 
@@ -41,13 +53,7 @@ FrontendConfig = Frontend.Config
 def _router_mode(name: str):  # -> dynamo.llm.RouterMode
     from dynamo.llm import RouterMode
 
-    modes = {"round-robin": RouterMode.RoundRobin, "random": RouterMode.Random}
-    try:
-        return modes[name]
-    except KeyError:
-        raise ValueError(
-            f"Frontend.router_mode {name!r} is not supported (one of {', '.join(modes)})"
-        ) from None
+    return {"round-robin": RouterMode.RoundRobin, "random": RouterMode.Random}[name]
 
 
 async def serve(cfg: FrontendConfig) -> None:
@@ -81,7 +87,6 @@ async def serve(cfg: FrontendConfig) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = component_config(FrontendConfig)
-    _router_mode(cfg.router_mode)  # fail before the runtime starts
     asyncio.run(serve(cfg))
 
 

@@ -57,6 +57,9 @@ class UsageError(Exception):
     pass
 
 
+CHILD_PATHS: list[str] = []  # extra PYTHONPATH entries for the children, besides cwd
+
+
 # ---------------------------------------------------------------------------------------------
 # graph and config resolution
 
@@ -108,6 +111,8 @@ def _import_file(path: Path, cwd: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     sys.path.insert(0, str(path.parent))
+    # Its sibling modules (the components' `module`s) must import in the children too.
+    CHILD_PATHS.append(str(path.parent))
     spec.loader.exec_module(module)
     return module
 
@@ -170,7 +175,7 @@ def resolve_configs(
     resolved: dict[str, msgspec.Struct] = {}
     for name, comp in by_name.items():
         cfg_t = comp.Config
-        data: dict[str, Any] = msgspec.to_builtins(cfg_t())
+        data = _defaults(cfg_t)
         section = file_data.get(name) or {}
         if not isinstance(section, dict):
             raise UsageError(f"config file: section {name!r} must be a mapping")
@@ -191,6 +196,17 @@ def resolve_configs(
         except msgspec.ValidationError as e:
             raise UsageError(f"invalid config for {name}: {_path_msg(name, e)}") from None
     return resolved
+
+
+def _defaults(cfg_t: type[msgspec.Struct]) -> dict[str, Any]:
+    # Fields without a default stay absent: the final convert names them as missing.
+    out: dict[str, Any] = {}
+    for f in msgspec.structs.fields(cfg_t):
+        if f.default is not msgspec.NODEFAULT:
+            out[f.name] = msgspec.to_builtins(f.default)
+        elif f.default_factory is not msgspec.NODEFAULT:
+            out[f.name] = msgspec.to_builtins(f.default_factory())
+    return out
 
 
 def _apply_override(cfg_t: type[msgspec.Struct], comp: str, field: str, sub: list[str], current: Any, raw: str) -> Any:
@@ -327,14 +343,14 @@ def _signal_group(child: Child, sig: int) -> None:
 
 
 class Supervisor:
-    def __init__(self, ctx: GraphContext, base_env: dict[str, str]) -> None:
-        self.ctx = ctx
+    def __init__(self, base_env: dict[str, str]) -> None:
         self.base_env = base_env
         self.children: list[Child] = []
         self.stop = asyncio.Event()
         self.stop_reason = ""
         self.exit_code = 0
         self.force = False
+        self._tasks: set[asyncio.Task[None]] = set()  # the loop only keeps weak references
 
     async def start(self, component: str, spec: ProcessSpec) -> None:
         env = {**self.base_env, COMPONENT_ENV: component, **spec.env}
@@ -352,7 +368,9 @@ class Supervisor:
         assert proc.stdout is not None
         child.pump = asyncio.create_task(_pump(child, proc.stdout))
         self.children.append(child)
-        asyncio.create_task(self._watch(child))
+        watch = asyncio.create_task(self._watch(child))
+        self._tasks.add(watch)
+        watch.add_done_callback(self._tasks.discard)
         _err(f"started {spec.label} (pid {proc.pid}{'' if spec.critical else ', non-critical'})")
 
     async def _watch(self, child: Child) -> None:
@@ -391,7 +409,7 @@ class Supervisor:
             _signal_group(c, signal.SIGTERM)
         alive = [c for c in self.children if c.proc.returncode is None]
         if alive and not self.force:
-            _, pending = await asyncio.wait(
+            await asyncio.wait(
                 [asyncio.create_task(c.proc.wait()) for c in alive], timeout=STOP_GRACE_S
             )
             for c in alive:
@@ -409,16 +427,11 @@ class Supervisor:
                     pass
 
 
-async def run_graph(
-    comps: list[type[Component]],
-    configs: dict[str, msgspec.Struct],
-    ctx: GraphContext,
-    plan: list[tuple[str, ProcessSpec]],
-) -> int:
+async def run_graph(ctx: GraphContext, plan: list[tuple[str, ProcessSpec]]) -> int:
     from components.runtime import runtime_env
 
     cwd = os.getcwd()
-    pythonpath = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH", "")) if p)
+    pythonpath = os.pathsep.join(p for p in (cwd, *CHILD_PATHS, os.environ.get("PYTHONPATH", "")) if p)
     base_env = {
         **os.environ,
         **runtime_env(ctx),
@@ -429,7 +442,8 @@ async def run_graph(
     if not sys.stdout.isatty():
         # Children write to our pipe, not a terminal: keep escape codes out of logs.
         base_env.setdefault("NO_COLOR", "1")
-    sup = Supervisor(ctx, base_env)
+        base_env.setdefault("DYN_SDK_DISABLE_ANSI_LOGGING", "1")
+    sup = Supervisor(base_env)
     loop = asyncio.get_running_loop()
     for sig, why in ((signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated"), (signal.SIGHUP, "hung up")):
         loop.add_signal_handler(sig, sup.request_stop, why, 0)
@@ -469,11 +483,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve = sub.add_parser(
         "serve",
         help="start every component of a graph and supervise them",
-        description="Start each component of a serving graph as a process on the Dynamo runtime, "
+        description="Start each component of a serving graph as a process on the Dynamo runtime,\n"
         "prefix their output with their label, and stop them all together.",
         epilog=OVERRIDES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=False,
+        allow_abbrev=False,  # `--disc...` must never swallow a `--Name.key` override
     )
     serve.add_argument("graph", nargs="?", help="graph root: graphs/elastic:Frontend (file path, "
                        "relative to cwd, .py optional) or graphs.elastic:Frontend (module)")
@@ -578,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
 
     _banner(args.graph, comps, configs, ctx, len(plan))
     try:
-        code = asyncio.run(run_graph(comps, configs, ctx, plan))
+        code = asyncio.run(run_graph(ctx, plan))
     finally:
         if own_dir:
             shutil.rmtree(discovery_dir, ignore_errors=True)

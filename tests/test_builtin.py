@@ -103,7 +103,7 @@ def test_cache_loses_race(tmp_path, monkeypatch):
 
     def racing_write(dest):
         winner = real(tmp_path / "winner")
-        os.rename(winner, tmp_path / f"builtin-{dest.name.split('.')[1]}")
+        os.rename(winner, tmp_path / dest.name.split(".")[1])  # tmp is .<final>.<random>
         return real(dest)
 
     monkeypatch.setattr(builtin, "write_builtin_model", racing_write)

@@ -153,6 +153,7 @@ def test_help_explains_options() -> None:
         ("--Frontend.port=abc", "wrong type for Frontend.port"),
         ("--Nope.port=1", "unknown component 'Nope'"),
         ("--EchoWorker.replicas=[1]", "wrong type for EchoWorker.replicas"),
+        ("--Frontend.router_mode=kv", "router_mode must be one of"),
     ],
 )
 def test_bad_override_exits_2(override: str, message: str) -> None:

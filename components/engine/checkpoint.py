@@ -120,12 +120,12 @@ class Checkpoint:
         index = path / INDEX_NAME
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                assert isinstance(weight_map, dict)
+                weight_map = json.loads(index.read_text())
             except (ValueError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{index}: invalid JSON ({e})") from None
-            except (KeyError, TypeError, AssertionError):
-                raise CheckpointError(f"{index}: no weight_map object") from None
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no weight_map object")
             for name, fname in weight_map.items():
                 f = path / fname
                 if not f.is_file():

@@ -81,6 +81,7 @@ class EngineRank:
         self.kv = KVCache(mc.num_layers, cfg.max_seqs, cfg.max_len, mc.num_kv_heads, mc.head_dim,
                           self.dtype, self.device)
         self.sched = Scheduler(cfg.max_seqs, cfg.max_len, cfg.max_batched_tokens, mc.eos_token_ids)
+        self.epoch = 0
         self.steps = 0  # forward steps taken (dummy steps included)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -97,6 +98,16 @@ class EngineRank:
         group is paused, or before the loop starts)."""
         self.expert_map.install(placement)
         self.model.load_experts(self.ckpt, placement, self.cfg.rank)
+
+    def configure(self, epoch: int, active, placement: Placement) -> None:
+        """New active set and expert placement; run on the loop thread while the group is paused."""
+        self.comm.set_active(active, epoch)
+        self.place_experts(placement)
+        self.epoch = epoch
+
+    @property
+    def expert_rows(self) -> int:
+        return sum(moe.rows_computed for _, moe in self.model.moe_layers)
 
     def default_placement(self, active) -> Placement:
         mc = self.model_config
