@@ -65,6 +65,7 @@ class RankStatus(msgspec.Struct):
     steps: int
     running: int
     waiting: int
+    requests_total: int
     expert_rows: int  # (token, expert) pairs computed here, for any rank
 
 

@@ -61,6 +61,7 @@ class RankView(msgspec.Struct):
     steps: int
     running: int
     waiting: int
+    requests_total: int
     expert_rows: int
     experts_layer0: list[int]
 
@@ -162,7 +163,7 @@ class RouterService:
             state = "ACTIVE" if r in self.active and st.routable else ("CONNECTED" if st.connected else "LOADED")
             views.append(RankView(rank=r, instance_id=st.instance_id, state=state, routable=st.routable,
                                   paused=st.paused, epoch=st.epoch, steps=st.steps, running=st.running,
-                                  waiting=st.waiting, expert_rows=st.expert_rows,
+                                  waiting=st.waiting, requests_total=st.requests_total, expert_rows=st.expert_rows,
                                   experts_layer0=[e for e in experts if e >= 0]))
         return Topology(epoch=self.epoch, dp_size=len(self.active), max_ranks=self.wcfg.max_ranks,
                         active=self.active, ranks=views)
@@ -179,6 +180,9 @@ class RouterService:
         lines += ["# HELP elastic_rank_running_requests Requests running on a rank.",
                   "# TYPE elastic_rank_running_requests gauge"]
         lines += [f'elastic_rank_running_requests{{rank="{r}"}} {st.running}' for r, st in sorted(self.status.items())]
+        lines += ["# HELP elastic_rank_requests_total Requests a rank accepted.",
+                  "# TYPE elastic_rank_requests_total counter"]
+        lines += [f'elastic_rank_requests_total{{rank="{r}"}} {st.requests_total}' for r, st in sorted(self.status.items())]
         lines += ["# HELP elastic_rank_expert_rows Token-expert pairs computed by a rank.",
                   "# TYPE elastic_rank_expert_rows counter"]
         lines += [f'elastic_rank_expert_rows{{rank="{r}"}} {st.expert_rows}' for r, st in sorted(self.status.items())]

@@ -130,7 +130,7 @@ class RankServer:
             num_moe_layers=len(e.model.moe_layers), slots_per_rank=e.slots_per_rank, epoch=e.epoch,
             active=list(e.comm.active), connected=list(e.comm.connected), paused=e.paused,
             routable=self.routable.is_set(), steps=e.steps, running=len(e.sched.running),
-            waiting=len(e.sched.waiting), expert_rows=e.expert_rows,
+            waiting=len(e.sched.waiting), requests_total=e.requests_total, expert_rows=e.expert_rows,
         )
 
     async def generate(self, raw: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:

@@ -83,6 +83,7 @@ class EngineRank:
         self.sched = Scheduler(cfg.max_seqs, cfg.max_len, cfg.max_batched_tokens, mc.eos_token_ids)
         self.epoch = 0
         self.steps = 0  # forward steps taken (dummy steps included)
+        self.requests_total = 0  # requests accepted by this rank
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._pause_wanted = False
@@ -149,6 +150,7 @@ class EngineRank:
             gen = torch.Generator()
             gen.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
         seq = Sequence(req=req, emit=emit, tokens=list(req.prompt), generator=gen)
+        self.requests_total += 1
         self._post(lambda: self.sched.add(seq))
 
     def cancel(self, request_id: str) -> None:

@@ -1,0 +1,104 @@
+"""One engine rank in its own process, for the multi-rank engine tests.
+
+The test writes a plan (JSON); peers exchange communicator metadata through files, then run each
+phase: install the phase's active set and expert placement while paused, generate the phase's
+prompts for this rank, and report tokens, the logits of every generated position and how many
+expert rows this rank computed. Files, not pipes of pickles, carry everything."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+from components.engine.rank import EngineRank, RankConfig
+from components.engine.request import GenerateRequest
+
+
+def wait_for(paths, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waiting for {[str(p) for p in paths if not p.exists()]}")
+        time.sleep(0.02)
+
+
+def write(path: Path, data: bytes) -> None:
+    tmp = path.parent / f".{path.name}.{os.getpid()}"
+    tmp.write_bytes(data)
+    os.rename(tmp, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--dir", type=Path, required=True)
+    args = ap.parse_args()
+    plan = json.loads((args.dir / "plan.json").read_text())
+    rank, world, d = args.rank, plan["world"], args.dir
+    eng = EngineRank(RankConfig(rank=rank, max_ranks=world, device=plan.get("device", "cpu"), max_len=256,
+                                min_ranks=plan.get("min_ranks", 1), ep_timeout_s=60), plan["model"])
+    write(d / f"meta{rank}", eng.comm.metadata())
+    wait_for([d / f"meta{r}" for r in range(world)])
+    eng.comm.connect({r: (d / f"meta{r}").read_bytes() for r in range(world) if r != rank})
+
+    # Logits of each position a sequence finishes, captured at the model boundary (test-only).
+    logits: dict[str, list] = {}
+    forward = eng.model.forward
+
+    def recording_forward(batch, kv):
+        out = forward(batch, kv)
+        by_slot = {s.slot: s for s in eng.sched.running}
+        for i, slot in enumerate(batch.slots.tolist()):
+            seq = by_slot[slot]
+            if batch.ctx_lens_list[i] == len(seq.tokens):
+                logits.setdefault(seq.req.request_id, []).append(out[i].tolist())
+        return out
+
+    eng.model.forward = recording_forward
+    eng.comm.set_active([], 0)
+    eng.start()
+    report = []
+    for epoch, phase in enumerate(plan["phases"], start=1):
+        eng.pause().result(timeout=60)
+        placement = eng.default_placement(phase["active"])
+        eng.call(lambda: eng.configure(epoch, phase["active"], placement)).result(timeout=60)
+        eng.resume().result(timeout=60)
+        rows0 = eng.expert_rows
+        outs: dict[str, list[int]] = {}
+        done = threading.Event()
+        mine = [(i, p) for i, p in enumerate(plan["prompts"]) if i % len(phase["active"]) ==
+                phase["active"].index(rank)] if rank in phase["active"] else []
+
+        def emit(o, n=len(mine)):
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finish_reason:
+                outs[o.request_id + "/end"] = o.finish_reason
+                if sum(k.endswith("/end") for k in outs) == n:
+                    done.set()
+
+        for i, p in mine:
+            eng.submit(GenerateRequest(str(i), p, max_tokens=plan["max_tokens"], ignore_eos=True), emit)
+        if mine:
+            done.wait(timeout=120)
+        write(d / f"done{epoch}.{rank}", b"")
+        # Keep stepping (dummy steps) until every rank is done with this phase.
+        wait_for([d / f"done{epoch}.{r}" for r in range(world)])
+        report.append({"tokens": {k: v for k, v in outs.items() if not k.endswith("/end")},
+                       "logits": {k: logits.pop(k) for k in list(logits)},
+                       "rows": eng.expert_rows - rows0,
+                       "experts": [placement.experts_on(rank, layer) for layer in range(len(placement.slots))]})
+    eng.pause().result(timeout=60)
+    write(d / f"report{rank}.json", json.dumps(report).encode())
+    wait_for([d / f"report{r}.json" for r in range(world)])
+    eng.stop()
+
+
+if __name__ == "__main__":
+    main()
