@@ -143,8 +143,10 @@ class RankServer:
         try:
             self.engine.submit(req, lambda o: loop.call_soon_threadsafe(out.put_nowait, o))
         except RequestError as e:
-            yield {"token_ids": [], "finish_reason": f"error: {e}"}
-            return
+            # A request the engine cannot serve is the client's fault: 400, not a 500.
+            from dynamo.llm.exceptions import InvalidArgument
+
+            raise InvalidArgument(str(e)) from None
         produced = 0
         try:
             while True:
@@ -188,7 +190,13 @@ class RankServer:
         elif isinstance(msg, Configure):
             if not e.paused and self.rank in e.comm.active and len(e.comm.active) > 1:
                 raise RuntimeError("configure needs the group paused first")
-            await run(e.call(lambda: e.configure(msg.epoch, msg.active, msg.placement)))
+            def configure():
+                # EngineRank.configure only installs the map now: fill the slots from the
+                # checkpoint too (a cold-started rank has nothing in them otherwise).
+                e.load_experts(msg.placement)
+                e.configure(msg.epoch, msg.active, msg.placement)
+
+            await run(e.call(configure))
         elif isinstance(msg, Resume):
             await run(e.resume())
             if self.rank in e.comm.active and self.life.state is RankState.LOADED:

@@ -68,7 +68,11 @@ def main() -> None:
     for epoch, phase in enumerate(plan["phases"], start=1):
         eng.pause().result(timeout=60)
         placement = eng.default_placement(phase["active"])
-        eng.call(lambda: eng.configure(epoch, phase["active"], placement)).result(timeout=60)
+        def install():
+            eng.configure(epoch, phase["active"], placement)
+            eng.load_experts(placement)
+
+        eng.call(install).result(timeout=60)
         eng.resume().result(timeout=60)
         rows0 = eng.expert_rows
         outs: dict[str, list[int]] = {}

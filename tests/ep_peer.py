@@ -69,7 +69,8 @@ class Peer:
         self.rank = args.rank
         self.cap = args.capacity
         self.comm = NixlCommunicator(
-            args.rank, args.max_ranks, args.capacity, device=args.device, timeout_s=args.timeout
+            args.rank, args.max_ranks, args.capacity, device=args.device, timeout_s=args.timeout,
+            progress_thread=args.progress_thread,
         )
         self.result: dict = {"rank": self.rank, "rounds": [], "errors": {}, "mismatches": 0}
 
@@ -215,6 +216,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="x")
     ap.add_argument("--overcap", action="store_true")
     ap.add_argument("--latency", type=int, default=0)
+    ap.add_argument("--progress-thread", type=lambda v: {"on": True, "off": False, "auto": None}[v], default=None)
     ap.add_argument("--dir", required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[rank {args.rank}] %(levelname)s %(name)s: %(message)s")

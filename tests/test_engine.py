@@ -49,7 +49,9 @@ def generate(eng: EngineRank, prompts, max_tokens=MAX_NEW, **kw):
 
 def single_rank(path, device="cpu", **kw) -> EngineRank:
     eng = EngineRank(RankConfig(max_len=256, device=device, **kw), str(path))
-    eng.place_experts(eng.default_placement([0]))
+    placement = eng.default_placement([0])
+    eng.configure(0, [0], placement)
+    eng.load_experts(placement)
     return eng
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -135,7 +136,10 @@ def test_mask_remote_is_local(tmp_path):
         assert unmasked[0]["active"] == [0, 1]
 
 
-def test_killed_peer_raises_within_timeout(tmp_path):
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_dead_or_hung_peer_raises_within_timeout(tmp_path, how):
+    """A killed peer (UCX sees the disconnect) and a frozen one (SIGSTOP: only the timeout can
+    tell) both give the survivors an EPError naming rank 2; they then scale down and carry on."""
     world, victim, timeout = 3, 2, 3.0
     procs = _spawn(tmp_path, "kill", world, "--rounds", "4", "--timeout", str(timeout))
     try:
@@ -144,20 +148,29 @@ def test_killed_peer_raises_within_timeout(tmp_path):
         for p in procs:
             p.kill()
         pytest.fail(f"peers did not reach the kill point\n{_logs(tmp_path)}")
-    procs[victim].kill()
-    procs[victim].wait()
+    if how == "kill":
+        procs[victim].kill()
+        procs[victim].wait()
+    else:
+        procs[victim].send_signal(signal.SIGSTOP)
     write_atomic(tmp_path / "killed", b"")
-    results = _join(tmp_path, procs, 60, expect_rc={victim: None})
+    try:
+        results = _join(tmp_path, procs[:victim], 60)
+    finally:
+        procs[victim].kill()
+        procs[victim].wait()
     for r in range(world - 1):
         res = results[r]
         err = res["errors"]["dead_peer"]
         assert err.startswith("EPError") and "rank 2" in err, err
+        if how == "stop":
+            assert "timed out" in err and "no data from rank 2" in err, err
         assert res["error_after_s"] < timeout + 2.0, res["error_after_s"]
         assert res["connected_after"] == [0, 1]
         _check_rounds(res)
         post = [rnd for rnd in res["rounds"] if rnd["tag"] == "post"]
         assert len(post) == 4 and all(rnd["active"] == [0, 1] for rnd in post)
-        print(f"\nrank {r}: dead peer reported after {res['error_after_s']:.2f}s: {err}")
+        print(f"\n{how}: rank {r}: dead peer reported after {res['error_after_s']:.2f}s: {err}")
 
 
 # ---------------------------------------------------------------- in-process (no collectives)

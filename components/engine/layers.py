@@ -129,3 +129,25 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block. `attend` is everything up to the feed-forward input, so a decode graph can
+    stop in front of an expert-parallel feed-forward (whose collective is host-driven)."""
+
+    def __init__(self, cfg, layer: int, rotary: Rotary, bias: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias, rotary, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    ffn: nn.Module  # the feed-forward: an EP MoE or a dense MLP
+    moe: nn.Module | None  # the ffn when it is expert-parallel
+
+    def attend(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x + self.self_attn(self.input_layernorm(x), batch, kv)
+        return h, self.post_attention_layernorm(h)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        h, n = self.attend(x, batch, kv)
+        return h + self.ffn(n)

@@ -24,6 +24,9 @@ class ExpertParallel:
         self.comm, self.map = comm, expert_map
         self.rank = comm.rank
         self.slots_per_rank = expert_map.slots_per_rank
+        # A joiner warming up alone (remote peers masked) drops the pairs routed to masked ranks,
+        # as vLLM's mask_remote_ranks does; outside warmup such a route is a bug and raises.
+        self.masked_warmup = False
 
 
 def _pack(x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -87,12 +90,12 @@ class SparseMoE(nn.Module):
         active = comm.active
         sends, starts, off = {}, {}, 0
         for r in range(len(counts)):
-            if counts[r] and r not in active:
+            if counts[r] and r not in active and not self.ep.masked_warmup:
                 raise RuntimeError(f"layer {self.layer}: expert map routes tokens to inactive rank {r}")
-        for r in active:
-            idx = order[off : off + counts[r]]
-            starts[r] = off
-            sends[r] = _pack(x[tokens[off : off + counts[r]]], slots[idx] % S)
+            if r in active:
+                idx = order[off : off + counts[r]]
+                starts[r] = off
+                sends[r] = _pack(x[tokens[off : off + counts[r]]], slots[idx] % S)
             off += counts[r]
         received = comm.all_to_all(sends)
 
@@ -107,7 +110,7 @@ class SparseMoE(nn.Module):
             off += xs.shape[0]
         back = comm.all_to_all(replies)
 
-        out_sorted = torch.empty(T * k, self.hidden, dtype=x.dtype, device=x.device)
+        out_sorted = torch.zeros(T * k, self.hidden, dtype=x.dtype, device=x.device)
         for r in active:
             if counts[r]:
                 out_sorted[starts[r] : starts[r] + counts[r]] = back[r].view(x.dtype).view(-1, self.hidden)

@@ -4,7 +4,7 @@ gate to the routed experts; layers listed as MLP-only are dense."""
 import torch
 from torch import nn
 
-from components.engine.layers import Attention, GatedMLP, RMSNorm
+from components.engine.layers import DecoderBlock, GatedMLP
 from components.engine.moe import SparseMoE
 
 
@@ -19,20 +19,20 @@ class Qwen2MoeSparse(SparseMoE):
         return super().forward(x) + shared
 
 
-class Qwen2MoeBlock(nn.Module):
+class Qwen2MoeBlock(DecoderBlock):
     def __init__(self, cfg, layer, ep, rotary):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.qkv_bias, rotary, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg, layer, rotary, bias=cfg.qkv_bias)
         if not cfg.sparse_layers[layer]:
-            self.mlp, self.moe = GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size), None
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
         elif cfg.shared_expert_intermediate_size:
-            self.mlp = self.moe = Qwen2MoeSparse(cfg, layer, ep)
+            self.mlp = Qwen2MoeSparse(cfg, layer, ep)
         else:
-            self.mlp = self.moe = SparseMoE(cfg, layer, ep)
+            self.mlp = SparseMoE(cfg, layer, ep)
 
-    def forward(self, x, batch, kv):
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    @property
+    def ffn(self):
+        return self.mlp
+
+    @property
+    def moe(self):
+        return self.mlp if isinstance(self.mlp, SparseMoE) else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import secrets
+import time
 import threading
 from concurrent.futures import Future
 from typing import Callable, Protocol
@@ -47,6 +48,7 @@ class RankConfig(msgspec.Struct, frozen=True):
     max_batched_tokens: int = 256
     min_ranks: int = 1  # fewest active ranks that must hold every expert: sizes the expert slots
     redundant_experts: int = 0
+    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)  # decode batch sizes captured on CUDA; () = eager
     idle_wait_s: float = 0.002
     ep_timeout_s: float = 30.0
 
@@ -78,8 +80,15 @@ class EngineRank:
         self.expert_map = ExpertMap(mc.num_layers, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
         self.model = build_model(mc, ExpertParallel(self.comm, self.expert_map), cfg.max_len, self.dtype, self.device)
         self.model.load_dense(self.ckpt)
-        self.kv = KVCache(mc.num_layers, cfg.max_seqs, cfg.max_len, mc.num_kv_heads, mc.head_dim,
+        # One slot beyond max_seqs: the scratch slot padded graph rows write into.
+        self.kv = KVCache(mc.num_layers, cfg.max_seqs + 1, cfg.max_len, mc.num_kv_heads, mc.head_dim,
                           self.dtype, self.device)
+        self.graphs = None
+        sizes = [b for b in cfg.cuda_graph_sizes if b <= cfg.max_seqs]
+        if self.device.type == "cuda" and sizes:
+            from components.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs)
         self.sched = Scheduler(cfg.max_seqs, cfg.max_len, cfg.max_batched_tokens, mc.eos_token_ids)
         self.epoch = 0
         self.steps = 0  # forward steps taken (dummy steps included)
@@ -94,17 +103,49 @@ class EngineRank:
         self._thread: threading.Thread | None = None
 
     # ---- setup -------------------------------------------------------------------------------
-    def place_experts(self, placement: Placement) -> None:
-        """Install a placement and load this rank's slots from the checkpoint (call while the
-        group is paused, or before the loop starts)."""
-        self.expert_map.install(placement)
+    def load_experts(self, placement: Placement) -> None:
+        """Fill this rank's slots from the checkpoint as `placement` says (a cold start)."""
         self.model.load_experts(self.ckpt, placement, self.cfg.rank)
 
     def configure(self, epoch: int, active, placement: Placement) -> None:
-        """New active set and expert placement; run on the loop thread while the group is paused."""
+        """New active set and expert map, in place; run on the loop thread while the group is
+        paused. Slot contents are not touched: they were loaded or pulled before the commit."""
         self.comm.set_active(active, epoch)
-        self.place_experts(placement)
+        self.expert_map.install(placement)
         self.epoch = epoch
+
+    def warmup(self, placement: Placement) -> float:
+        """Run this rank alone (remote peers masked) through a prefill and every decode batch
+        size under `placement`, so kernels, allocator and graphs are ready before the commit.
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        ep = self.model.ep
+        self.comm.mask_remote()
+        self.expert_map.install(placement)
+        ep.masked_warmup = True
+        try:
+            from components.engine.layers import ForwardBatch
+
+            scratch = self.cfg.max_seqs
+            sizes = self.graphs.sizes if self.graphs else [1, min(8, self.cfg.max_seqs)]
+            for b, n in [(1, min(16, self.cfg.max_batched_tokens))] + [(b, 1) for b in sizes]:
+                t = torch.full((b * n,), 1, dtype=torch.int64, device=self.device)
+                pos = torch.arange(n, device=self.device).repeat(b)
+                batch = ForwardBatch(
+                    input_ids=t, positions=pos, token_slots=torch.full_like(t, scratch),
+                    slots=torch.full((b,), scratch, dtype=torch.int64, device=self.device),
+                    ctx_lens=torch.full((b,), n, dtype=torch.int64, device=self.device),
+                    last_index=torch.arange(n - 1, b * n, n, device=self.device),
+                    q_lens=[n] * b, ctx_lens_list=[n] * b, kv_len=n)
+                if self.graphs is not None and self.graphs.fits(batch):
+                    self.graphs.run(batch)
+                else:
+                    self.model(batch, self.kv)
+            for _, moe in self.model.moe_layers:
+                moe.load.zero_()
+        finally:
+            ep.masked_warmup = False
+        return time.perf_counter() - t0
 
     @property
     def expert_rows(self) -> int:
@@ -254,7 +295,10 @@ class EngineRank:
             self.model.dummy_step()
             return
         batch = self.sched.batch(work, self.device)
-        logits = self.model(batch, self.kv)
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model(batch, self.kv)
         nxt: list[int | None] = []
         for i, (seq, n) in enumerate(work):
             if seq.num_computed + n < len(seq.tokens):

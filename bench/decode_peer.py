@@ -1,0 +1,143 @@
+"""One engine rank of the decode benchmark, in its own process (driven by `bench.decode`).
+
+Same protocol as the multi-rank engine tests: the driver writes plan.json into a temp dir; peers
+exchange communicator metadata through files there, connect, install the active set and expert
+placement while paused, then run a warmup phase and a measured phase. Each phase starts behind a
+file barrier so that every rank submits its batch at about the same moment, and ends behind one so
+that no rank stops stepping (idle ranks run dummy steps) while a peer still generates. The rank
+pauses, writes its report, and waits for every report before it exits.
+
+Step timing wraps this instance's `_step` (the engine code is untouched): the wall time of one
+engine step, header all-to-all included, recorded for forward steps only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from components.engine.rank import EngineRank, RankConfig
+from components.engine.request import GenerateRequest
+
+
+def wait_for(paths, timeout):
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waiting for {[str(p) for p in paths if not p.exists()]}")
+        time.sleep(0.005)
+
+
+def write(path: Path, data: bytes) -> None:
+    tmp = path.parent / f".{path.name}.{os.getpid()}"
+    tmp.write_bytes(data)
+    os.rename(tmp, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--dir", type=Path, required=True)
+    args = ap.parse_args()
+    d = args.dir
+    plan = json.loads((d / "plan.json").read_text())
+    rank, world, timeout = args.rank, plan["world"], plan["timeout_s"]
+    if plan["threads"] > 0:
+        torch.set_num_threads(plan["threads"])
+    eng = EngineRank(RankConfig(rank=rank, max_ranks=world, device="cpu", max_seqs=plan["batch"],
+                                max_len=plan["max_len"], ep_timeout_s=plan["ep_timeout_s"]), plan["model"])
+    write(d / f"meta{rank}", eng.comm.metadata())
+    wait_for([d / f"meta{r}" for r in range(world)], timeout)
+    eng.comm.connect({r: (d / f"meta{r}").read_bytes() for r in range(world) if r != rank})
+
+    # steps[i] = (t0, t1) of forward step i on this rank (eng.steps is bumped before the forward,
+    # so tokens emitted during a step carry that step's index).
+    steps: dict[int, tuple[float, float]] = {}
+    orig_step = eng._step
+
+    def timed_step(has_work: bool) -> None:
+        n = eng.steps
+        t0 = time.monotonic()
+        orig_step(has_work)
+        t1 = time.monotonic()
+        if eng.steps != n:
+            steps[eng.steps] = (t0, t1)
+
+    eng._step = timed_step  # instance attribute: the loop calls self._step
+    vocab = eng.model_config.vocab_size
+    active = list(range(world))
+    eng.comm.set_active([], 0)
+    eng.start()
+    eng.pause().result(timeout=timeout)
+    placement = eng.default_placement(active)
+    def install():
+        eng.configure(1, active, placement)
+        eng.load_experts(placement)
+
+    eng.call(install).result(timeout=timeout)
+    eng.resume().result(timeout=timeout)
+
+    measured = None
+    for phase, gen_len in (("warmup", plan["warmup_len"]), ("measure", plan["gen_len"])):
+        if gen_len <= 0:
+            continue
+        g = torch.Generator().manual_seed(plan["seed"] * 1_000_003 + rank * 7919 + (phase == "measure"))
+        prompts = torch.randint(0, vocab, (plan["batch"], plan["prompt_len"]), generator=g).tolist()
+        emissions: list[tuple[int, int, bool]] = []  # (step index, tokens, is the sequence's first token)
+        seen: set[str] = set()
+        ended: list[str] = []
+        done = threading.Event()
+
+        def emit(o, n=len(prompts)):
+            first = o.request_id not in seen
+            seen.add(o.request_id)
+            emissions.append((eng.steps, len(o.token_ids), first))
+            if o.finish_reason:
+                ended.append(o.finish_reason)
+                if len(ended) == n:
+                    done.set()
+
+        write(d / f"ready.{phase}.{rank}", b"")
+        wait_for([d / f"ready.{phase}.{r}" for r in range(world)], timeout)
+        t_submit = time.monotonic()
+        for i, p in enumerate(prompts):
+            eng.submit(GenerateRequest(f"{rank}.{i}", p, max_tokens=gen_len, ignore_eos=True), emit)
+        if not done.wait(timeout):
+            raise TimeoutError(f"rank {rank}: {len(ended)} of {len(prompts)} requests finished in {phase}")
+        write(d / f"done.{phase}.{rank}", b"")
+        wait_for([d / f"done.{phase}.{r}" for r in range(world)], timeout)
+        if phase == "measure":
+            measured = (emissions, ended, t_submit)
+    # Pausing parks the loop thread at a step boundary: every step's timing is recorded by now.
+    eng.pause().result(timeout=timeout)
+    emissions, ended, t_submit = measured
+    # Decode phase on this rank: the steps after the one that gave the last sequence its first token.
+    prefill_step = max(s for s, _, f in emissions if f)
+    last_step = max(s for s, _, _ in emissions)
+    decode_tokens = sum(n - f for s, n, f in emissions if s > prefill_step)
+    decode_steps = [steps[s] for s in range(prefill_step + 1, last_step + 1) if s in steps]
+    report = {
+        "rank": rank,
+        "finish_reasons": sorted(set(ended)),
+        "t_submit": t_submit,
+        "t_prefill_done": steps[prefill_step][1],
+        "t_decode_end": steps[last_step][1],
+        "decode_tokens": decode_tokens,
+        "total_tokens": sum(n for _, n, _ in emissions),
+        "decode_steps": len(decode_steps),
+        "step_ms": [(t1 - t0) * 1e3 for t0, t1 in decode_steps],
+        "torch_threads": torch.get_num_threads(),
+    }
+    write(d / f"report{rank}.json", json.dumps(report).encode())
+    wait_for([d / f"report{r}.json" for r in range(world)], timeout)
+    eng.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Piecewise CUDA graphs for decode.
+
+The EP all-to-all is driven from the host (variable sizes, notifications), so it cannot live in a
+graph. A decode step is therefore captured as segments that end in front of each expert-parallel
+feed-forward: [embed, attend 0] -> MoE 0 (eager) -> [residual, attend 1] -> ... -> [norm, lm_head].
+Dense feed-forwards stay inside their segment. One set per batch size, captured once; every input
+is a static buffer that is copied into, and the graphs read the expert map, expert slots, KV
+cache and weights at fixed addresses, so new placements and weights need no recapture.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from components.engine.layers import ForwardBatch, KVCache
+
+log = logging.getLogger(__name__)
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv: KVCache, batch_sizes: list[int], scratch_slot: int):
+        self.model, self.kv = model, kv
+        self.sizes = sorted(batch_sizes)
+        self.scratch_slot = scratch_slot  # KV slot that padded rows write into
+        dev = model.lm_head.weight.device
+        B, H = self.sizes[-1], model.cfg.hidden_size
+        dtype = model.lm_head.weight.dtype
+        self.ids = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.slots = torch.full((B,), scratch_slot, dtype=torch.int64, device=dev)
+        self.ctx = torch.ones(B, dtype=torch.int64, device=dev)
+        blocks = list(model.model.layers)
+        self.cuts = [i for i, b in enumerate(blocks) if b.moe is not None]
+        # One (h, ffn output) buffer pair per MoE block: the eager MoE reads n, writes y.
+        self.h = [torch.zeros(B, H, dtype=dtype, device=dev) for _ in self.cuts]
+        self.n = [torch.zeros(B, H, dtype=dtype, device=dev) for _ in self.cuts]
+        self.y = [torch.zeros(B, H, dtype=dtype, device=dev) for _ in self.cuts]
+        self.logits = torch.zeros(B, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.captures = 0
+        self.pool = None
+        for b in reversed(self.sizes):  # largest first so smaller graphs share its memory pool
+            self._capture(b)
+        log.info("captured decode graphs for batch sizes %s (%d segments each)", self.sizes, len(self.cuts) + 1)
+
+    def _batch(self, b: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.ids[:b], positions=self.pos[:b], token_slots=self.slots[:b], slots=self.slots[:b],
+            ctx_lens=self.ctx[:b], last_index=torch.arange(b, device=self.ids.device), q_lens=[1] * b,
+            ctx_lens_list=[], kv_len=self.kv.max_len,
+        )
+
+    def _segments(self, b: int):
+        """Closures, one per segment, each reading and writing only static buffers."""
+        m, batch, blocks = self.model, self._batch(b), list(self.model.model.layers)
+        bounds = [-1, *self.cuts, len(blocks)]
+
+        def segment(k):
+            def run():
+                if k == 0:
+                    x = m.model.embed_tokens(batch.input_ids)
+                else:
+                    x = self.h[k - 1][:b] + self.y[k - 1][:b]
+                for i in range(bounds[k] + 1, bounds[k + 1] + (1 if k < len(self.cuts) else 0)):
+                    h, n = blocks[i].attend(x, batch, self.kv)
+                    if blocks[i].moe is not None:
+                        self.h[k][:b].copy_(h)
+                        self.n[k][:b].copy_(n)
+                        return
+                    x = h + blocks[i].ffn(n)
+                self.logits[:b].copy_(m.lm_head(m.model.norm(x)).float())
+            return run
+
+        return [segment(k) for k in range(len(self.cuts) + 1)]
+
+    def _capture(self, b: int) -> None:
+        segs = self._segments(b)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for seg in segs:  # warm up kernels (and their autotuning) outside the capture
+                seg()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs = []
+        for seg in segs:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                seg()
+            self.pool = g.pool()
+            graphs.append(g)
+        self.graphs[b] = graphs
+        self.captures += 1
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        return batch.decode_only and len(batch.q_lens) <= self.sizes[-1]
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        real = len(batch.q_lens)
+        b = next(s for s in self.sizes if s >= real)
+        self.ids[:real].copy_(batch.input_ids)
+        self.pos[:real].copy_(batch.positions)
+        self.slots[:real].copy_(batch.slots)
+        self.ctx[:real].copy_(batch.ctx_lens)
+        # Padded rows attend over one scratch token and never reach the MoE.
+        self.slots[real:b].fill_(self.scratch_slot)
+        self.pos[real:b].zero_()
+        self.ctx[real:b].fill_(1)
+        graphs = self.graphs[b]
+        for k, moe_block in enumerate(self.cuts):
+            graphs[k].replay()
+            self.y[k][:real].copy_(self.model.model.layers[moe_block].ffn(self.n[k][:real]))
+        graphs[-1].replay()
+        return self.logits[:real]
