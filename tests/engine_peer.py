@@ -48,20 +48,24 @@ def main() -> None:
     wait_for([d / f"meta{r}" for r in range(world)])
     eng.comm.connect({r: (d / f"meta{r}").read_bytes() for r in range(world) if r != rank})
 
-    # Logits of each position a sequence finishes, captured at the model boundary (test-only).
+    # Logits of each position a sequence finishes, captured where the engine computes them:
+    # the model for prefill and eager decode, the decode graphs on CUDA (test-only wrapping).
     logits: dict[str, list] = {}
-    forward = eng.model.forward
 
-    def recording_forward(batch, kv):
-        out = forward(batch, kv)
-        by_slot = {s.slot: s for s in eng.sched.running}
-        for i, slot in enumerate(batch.slots.tolist()):
-            seq = by_slot[slot]
-            if batch.ctx_lens_list[i] == len(seq.tokens):
-                logits.setdefault(seq.req.request_id, []).append(out[i].tolist())
-        return out
+    def recording(fn):
+        def run(batch, *args):
+            out = fn(batch, *args)
+            by_slot = {s.slot: s for s in eng.sched.running}
+            for i, slot in enumerate(batch.slots.tolist()):
+                seq = by_slot[slot]
+                if batch.ctx_lens_list[i] == len(seq.tokens):
+                    logits.setdefault(seq.req.request_id, []).append(out[i].tolist())
+            return out
+        return run
 
-    eng.model.forward = recording_forward
+    eng.model.forward = recording(eng.model.forward)
+    if eng.graphs is not None:
+        eng.graphs.run = recording(eng.graphs.run)
     eng.comm.set_active([], 0)
     eng.start()
     report = []

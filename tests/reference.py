@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -38,3 +39,33 @@ def reference(path: Path, prompts, max_new_tokens: int):
         tokens.append(out.sequences[0, len(p):].tolist())
         logits.append(torch.stack([l[0] for l in out.logits]))
     return tokens, logits
+
+
+def single_rank(path, device="cpu", max_len=256, **kw):
+    """A one-rank engine with every expert local, loaded from the checkpoint at `path`."""
+    from components.engine.rank import EngineRank, RankConfig
+
+    eng = EngineRank(RankConfig(max_len=max_len, device=device, **kw), str(path))
+    placement = eng.default_placement([0])
+    eng.configure(0, [0], placement)
+    eng.load_experts(placement)
+    return eng
+
+
+def generate(eng, prompts, max_tokens: int, **kw) -> tuple[list[list[int]], list[str]]:
+    """Submit every prompt at once to a started engine; (tokens, finish reasons) per prompt."""
+    from components.engine.request import GenerateRequest
+
+    outs, ends, done = {}, {}, threading.Event()
+
+    def emit(o):
+        outs.setdefault(o.request_id, []).extend(o.token_ids)
+        if o.finish_reason:
+            ends[o.request_id] = o.finish_reason
+            if len(ends) == len(prompts):
+                done.set()
+
+    for i, p in enumerate(prompts):
+        eng.submit(GenerateRequest(str(i), p, max_tokens=max_tokens, **kw), emit)
+    assert done.wait(120), f"only {len(ends)} of {len(prompts)} requests finished"
+    return [outs[str(i)] for i in range(len(prompts))], [ends[str(i)] for i in range(len(prompts))]

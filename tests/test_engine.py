@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 
-from components.engine.rank import EngineRank, RankConfig
+from components.engine.rank import EngineRank
 from components.engine.request import GenerateRequest, RequestError
-from tests.reference import PROMPTS, make_checkpoint, reference
+from tests.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 
 MAX_NEW = 10
 ARCHS = ["mixtral", "qwen2_moe"]
@@ -31,30 +30,6 @@ def assert_logits_close(got, want):
     assert rel < 1e-4, f"logits differ: max relative error {rel:.2e}"
 
 
-def generate(eng: EngineRank, prompts, max_tokens=MAX_NEW, **kw):
-    outs, ends, done = {}, {}, threading.Event()
-
-    def emit(o):
-        outs.setdefault(o.request_id, []).extend(o.token_ids)
-        if o.finish_reason:
-            ends[o.request_id] = o.finish_reason
-            if len(ends) == len(prompts):
-                done.set()
-
-    for i, p in enumerate(prompts):
-        eng.submit(GenerateRequest(str(i), p, max_tokens=max_tokens, **kw), emit)
-    assert done.wait(60), f"only {len(ends)} of {len(prompts)} requests finished"
-    return [outs[str(i)] for i in range(len(prompts))], [ends[str(i)] for i in range(len(prompts))]
-
-
-def single_rank(path, device="cpu", **kw) -> EngineRank:
-    eng = EngineRank(RankConfig(max_len=256, device=device, **kw), str(path))
-    placement = eng.default_placement([0])
-    eng.configure(0, [0], placement)
-    eng.load_experts(placement)
-    return eng
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_single_rank_matches_transformers(model, device):
     if device == "cuda" and not torch.cuda.is_available():
@@ -64,11 +39,13 @@ def test_single_rank_matches_transformers(model, device):
     eng.start()
     try:
         # All prompts at once: continuous batching mixes prefills and decodes in one step.
-        tokens, ends = generate(eng, PROMPTS, ignore_eos=True)
+        tokens, ends = generate(eng, PROMPTS, MAX_NEW, ignore_eos=True)
     finally:
         eng.stop()
     assert tokens == ref_tokens
     assert ends == ["length"] * len(PROMPTS)
+    if device == "cuda":  # decode ran through the captured graphs, captured once
+        assert eng.graphs.replays > 0 and eng.graphs.captures == len(eng.graphs.sizes)
     # Teacher-forced logits through prefill + decode steps over the KV cache.
     eng = single_rank(path, device)
     for p, ref, want in zip(PROMPTS, ref_tokens, ref_logits):
@@ -108,10 +85,13 @@ def merged(reports, phase):
     return tokens, logits
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("world", [2, 4])
-def test_ranks_in_processes_match_transformers(model, world, tmp_path):
+def test_ranks_in_processes_match_transformers(model, world, device, tmp_path):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     path, ref_tokens, ref_logits = model
-    plan = {"world": world, "model": str(path), "prompts": PROMPTS, "max_tokens": MAX_NEW,
+    plan = {"world": world, "model": str(path), "prompts": PROMPTS, "max_tokens": MAX_NEW, "device": device,
             "phases": [{"active": list(range(world))}]}
     reports = run_peers(tmp_path, plan)
     tokens, logits = merged(reports, 0)
@@ -159,12 +139,12 @@ def test_sampling_is_reproducible_with_a_seed_and_stops_on_stop_tokens(tmp_path)
     eng = single_rank(path)
     eng.start()
     try:
-        a, _ = generate(eng, PROMPTS[:2], temperature=0.8, top_p=0.9, seed=7)
-        b, _ = generate(eng, PROMPTS[:2], temperature=0.8, top_p=0.9, seed=7)
+        a, _ = generate(eng, PROMPTS[:2], MAX_NEW, temperature=0.8, top_p=0.9, seed=7)
+        b, _ = generate(eng, PROMPTS[:2], MAX_NEW, temperature=0.8, top_p=0.9, seed=7)
         assert a == b
-        greedy, _ = generate(eng, PROMPTS[:1], ignore_eos=True)
+        greedy, _ = generate(eng, PROMPTS[:1], MAX_NEW, ignore_eos=True)
         stop = greedy[0][3]
-        cut, ends = generate(eng, PROMPTS[:1], stop_token_ids=[stop], ignore_eos=True)
+        cut, ends = generate(eng, PROMPTS[:1], MAX_NEW, stop_token_ids=[stop], ignore_eos=True)
         assert cut[0] == greedy[0][: greedy[0].index(stop) + 1] and ends == ["stop"]
     finally:
         eng.stop()

@@ -42,7 +42,7 @@ def _logs(tmp: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp.glob("log-*.txt")))
 
 
-def _join(tmp: Path, procs, timeout: float = 60.0, expect_rc=None) -> list[dict]:
+def _join(tmp: Path, procs, timeout: float = 120.0, expect_rc=None) -> list[dict]:
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -61,7 +61,7 @@ def _join(tmp: Path, procs, timeout: float = 60.0, expect_rc=None) -> list[dict]
     return results
 
 
-def _run(tmp: Path, scenario: str, world: int, *extra: str, timeout: float = 60.0) -> list[dict]:
+def _run(tmp: Path, scenario: str, world: int, *extra: str, timeout: float = 120.0) -> list[dict]:
     return _join(tmp, _spawn(tmp, scenario, world, *extra), timeout)
 
 
@@ -155,7 +155,7 @@ def test_dead_or_hung_peer_raises_within_timeout(tmp_path, how):
         procs[victim].send_signal(signal.SIGSTOP)
     write_atomic(tmp_path / "killed", b"")
     try:
-        results = _join(tmp_path, procs[:victim], 60)
+        results = _join(tmp_path, procs[:victim])
     finally:
         procs[victim].kill()
         procs[victim].wait()

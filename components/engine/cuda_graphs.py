@@ -40,6 +40,7 @@ class DecodeGraphs:
         self.logits = torch.zeros(B, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.captures = 0
+        self.replays = 0  # decode steps served by graphs
         self.pool = None
         for b in reversed(self.sizes):  # largest first so smaller graphs share its memory pool
             self._capture(b)
@@ -93,6 +94,12 @@ class DecodeGraphs:
         self.graphs[b] = graphs
         self.captures += 1
 
+    def recapture(self) -> None:
+        """Capture every size again (what a design without graph reuse pays on each scale)."""
+        self.graphs.clear()
+        for b in reversed(self.sizes):
+            self._capture(b)
+
     def fits(self, batch: ForwardBatch) -> bool:
         return batch.decode_only and len(batch.q_lens) <= self.sizes[-1]
 
@@ -108,6 +115,7 @@ class DecodeGraphs:
         self.pos[real:b].zero_()
         self.ctx[real:b].fill_(1)
         graphs = self.graphs[b]
+        self.replays += 1
         for k, moe_block in enumerate(self.cuts):
             graphs[k].replay()
             self.y[k][:real].copy_(self.model.model.layers[moe_block].ffn(self.n[k][:real]))

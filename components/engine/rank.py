@@ -64,7 +64,8 @@ def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, device: str, timeo
 
 
 class EngineRank:
-    def __init__(self, cfg: RankConfig, model_dir: str, comm: EPCommunicator | None = None):
+    def __init__(self, cfg: RankConfig, model_dir: str, comm: EPCommunicator | None = None,
+                 load_weights: bool = True):
         self.cfg = cfg
         self.ckpt = Checkpoint.open(model_dir)
         mc = self.model_config = self.ckpt.config
@@ -79,7 +80,8 @@ class EngineRank:
         self.comm = comm or nixl_comm(cfg.rank, cfg.max_ranks, capacity, cfg.device, cfg.ep_timeout_s)
         self.expert_map = ExpertMap(mc.num_layers, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
         self.model = build_model(mc, ExpertParallel(self.comm, self.expert_map), cfg.max_len, self.dtype, self.device)
-        self.model.load_dense(self.ckpt)
+        if load_weights:  # a joiner leaves them empty and pulls them from peers instead
+            self.model.load_dense(self.ckpt)
         # One slot beyond max_seqs: the scratch slot padded graph rows write into.
         self.kv = KVCache(mc.num_layers, cfg.max_seqs + 1, cfg.max_len, mc.num_kv_heads, mc.head_dim,
                           self.dtype, self.device)
@@ -114,12 +116,14 @@ class EngineRank:
         self.expert_map.install(placement)
         self.epoch = epoch
 
-    def warmup(self, placement: Placement) -> float:
+    def warmup(self, placement: Placement, recapture: bool = False) -> float:
         """Run this rank alone (remote peers masked) through a prefill and every decode batch
         size under `placement`, so kernels, allocator and graphs are ready before the commit.
         Returns the seconds it took."""
         t0 = time.perf_counter()
         ep = self.model.ep
+        if recapture and self.graphs is not None:
+            self.graphs.recapture()
         self.comm.mask_remote()
         self.expert_map.install(placement)
         ep.masked_warmup = True
