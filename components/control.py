@@ -11,6 +11,7 @@ from typing import Union
 import msgspec
 
 from components.engine.expert_map import Placement
+from components.engine.weight_transfer import PullItem, PullStats, WeightManifest
 
 
 class Describe(msgspec.Struct, tag="describe"):
@@ -46,7 +47,47 @@ class SetRoutable(msgspec.Struct, tag="set_routable"):
     routable: bool
 
 
-ControlRequest = Union[Describe, Connect, Disconnect, Pause, Configure, Resume, SetRoutable]
+class LoadExperts(msgspec.Struct, tag="load_experts"):
+    """Fill this rank's slots from the checkpoint (a cold start of the first group)."""
+
+    placement: Placement
+
+
+class ExportWeights(msgspec.Struct, tag="export_weights"):
+    """Reply with a manifest (addresses + checksums) of these weights; all when `names` is None."""
+
+    names: list[str] | None = None
+
+
+class PullWeights(msgspec.Struct, tag="pull_weights"):
+    sources: dict[int, WeightManifest]
+    items: list[PullItem]
+    op: str = "-"
+
+
+class Warmup(msgspec.Struct, tag="warmup"):
+    """Run alone with remote peers masked under `placement`; `recapture` re-captures graphs
+    (what a design without graph reuse must do)."""
+
+    placement: Placement
+    recapture: bool = False
+    op: str = "-"
+
+
+class Drain(msgspec.Struct, tag="drain"):
+    """Let this rank's requests finish for up to `timeout_s`, then hand the rest over (their
+    streams end unfinished, so the frontend migrates them with the tokens so far)."""
+
+    timeout_s: float
+    op: str = "-"
+
+
+class Exit(msgspec.Struct, tag="exit"):
+    op: str = "-"
+
+
+ControlRequest = Union[Describe, Connect, Disconnect, Pause, Configure, Resume, SetRoutable, LoadExperts,
+                       ExportWeights, PullWeights, Warmup, Drain, Exit]
 
 
 class RankStatus(msgspec.Struct):
@@ -63,6 +104,8 @@ class RankStatus(msgspec.Struct):
     paused: bool
     routable: bool
     steps: int
+    state: str
+    load: list[list[int]]  # tokens routed to each expert, per MoE layer, since the last rebalance
     running: int
     waiting: int
     requests_total: int
@@ -73,6 +116,10 @@ class ControlReply(msgspec.Struct):
     ok: bool
     error: str = ""
     status: RankStatus | None = None
+    manifest: WeightManifest | None = None
+    pull: PullStats | None = None
+    seconds: float = 0.0  # how long the command's work took on the rank
+    handed_over: int = 0  # requests a drain handed over
 
 
 def encode(msg: msgspec.Struct) -> dict:

@@ -2,7 +2,8 @@
 
 BOOTING -> RESTORED -> LOADED -> WARMED -> STAGED -> ACTIVE -> LEAVING -> PARKED | EXITED, and any
 state -> FAILED. A cold start skips RESTORED; the first ranks of a deployment go LOADED -> ACTIVE
-because there is no serving group to stage into yet.
+because there is no serving group to stage into yet; the comparison modes A and B stage a joiner
+before warming it (LOADED -> STAGED -> WARMED -> ACTIVE).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class RankState(enum.IntEnum):
 _NEXT: dict[RankState, set[RankState]] = {
     RankState.BOOTING: {RankState.RESTORED, RankState.LOADED},
     RankState.RESTORED: {RankState.LOADED},
-    RankState.LOADED: {RankState.WARMED, RankState.ACTIVE},
-    RankState.WARMED: {RankState.STAGED},
-    RankState.STAGED: {RankState.ACTIVE, RankState.EXITED},
+    RankState.LOADED: {RankState.WARMED, RankState.STAGED, RankState.ACTIVE},
+    RankState.WARMED: {RankState.STAGED, RankState.ACTIVE},
+    # Modes A and B connect a joiner first and warm it up inside the commit's pause.
+    RankState.STAGED: {RankState.WARMED, RankState.ACTIVE, RankState.EXITED},
     RankState.ACTIVE: {RankState.LEAVING},
     RankState.LEAVING: {RankState.PARKED, RankState.EXITED, RankState.ACTIVE},
     RankState.PARKED: {RankState.RESTORED},

@@ -20,9 +20,11 @@ from aiohttp import web
 
 from components.component import Component, component_config, load_context
 from components.control import (
-    Configure, Connect, ControlReply, Describe, Pause, RankStatus, Resume, SetRoutable, decode_reply, encode,
+    Configure, Connect, ControlReply, Describe, LoadExperts, RankStatus, Resume, SetRoutable, decode_reply, encode,
 )
 from components.engine.expert_map import Placement, balanced_placement
+from components.scaling import MODES, OpRecord, Operation, ScaleRequest, Scaler
+from components.capacity import LocalProvider
 from components.worker import Worker
 
 log = logging.getLogger("components.router")
@@ -37,6 +39,11 @@ class Router(Component):
         token: str = ""  # bearer token for the control API; required when host is not loopback
         bootstrap_timeout_s: float = 300.0
         status_interval_s: float = 1.0
+        prepare_timeout_s: float = 120.0  # a joiner that takes longer to start, load or warm up aborts the op
+        commit_timeout_s: float = 10.0  # a rank that misses it rolls the commit back
+        drain_timeout_s: float = 30.0  # leaving ranks' requests still running after this are handed over
+        rebalance: bool = True  # async EPLB after each scale operation
+        allow_fault_injection: bool = False  # lets POST /scale inject faults into joiners (tests only)
 
     module: ClassVar[str] = "components.router"
 
@@ -72,7 +79,9 @@ class Topology(msgspec.Struct):
     max_ranks: int
     active: list[int]
     ranks: list[RankView]
-    operation: dict | None = None
+    scaling: bool
+    target: int | None  # the size queued behind the running operation, if any
+    operation: OpRecord | None  # the running operation, or the last one
 
 
 class ControlError(RuntimeError):
@@ -88,11 +97,15 @@ class RouterService:
         self.epoch = 0
         self.active: list[int] = []
         self.placement: Placement | None = None
+        self.num_experts = 0
+        self.load_base: dict[int, list[list[int]]] = {}  # per rank: expert load at the last rebalance
         self.ready = asyncio.Event()
         self.started = time.monotonic()
+        self.scaler: Scaler | None = None
+        self.op_results: dict[tuple[str, str], int] = {}  # (kind, final phase) -> count
 
     # ---- talking to ranks --------------------------------------------------------------------
-    async def send(self, rank: int, msg) -> RankStatus:
+    async def send(self, rank: int, msg) -> ControlReply:
         stream = await self.client.direct(encode(msg), self.instances[rank])
         reply: ControlReply | None = None
         async for item in stream:
@@ -101,43 +114,72 @@ class RouterService:
             raise ControlError(f"rank {rank}: {type(msg).__name__.lower()} failed: "
                                f"{reply.error if reply else 'no reply'}")
         self.status[rank] = reply.status
-        return reply.status
+        return reply
 
-    async def send_all(self, ranks, make) -> list[RankStatus]:
+    async def send_all(self, ranks, make) -> list[ControlReply]:
         return await asyncio.gather(*(self.send(r, make(r)) for r in ranks))
 
-    async def discover(self, want: int) -> None:
-        """Wait for `want` ranks and learn which instance is which rank."""
-        self.client = await self.rt.endpoint(f"{self.ctx.namespace}.worker.control").client()
-        deadline = time.monotonic() + self.cfg.bootstrap_timeout_s
+    async def discover(self, ranks: list[int], provider=None, timeout: float | None = None) -> None:
+        """Wait until every rank in `ranks` registered, and learn which instance is which rank.
+        Fails early when the provider reports one of them dead."""
+        if self.client is None:
+            self.client = await self.rt.endpoint(f"{self.ctx.namespace}.worker.control").client()
+        timeout = timeout or self.cfg.bootstrap_timeout_s
+        deadline = time.monotonic() + timeout
         while True:
             for iid in self.client.instance_ids():
                 if iid not in self.instances.values():
-                    stream = await self.client.direct(encode(Describe()), iid)
-                    async for item in stream:
-                        st = decode_reply(item.data()).status
-                        self.instances[st.rank] = iid
-                        self.status[st.rank] = st
-                        log.info("found rank %d (instance %x)", st.rank, iid)
-            if len(self.instances) >= want:
+                    try:
+                        stream = await self.client.direct(encode(Describe()), iid)
+                        async for item in stream:
+                            st = decode_reply(item.data()).status
+                    except Exception as e:  # a stale entry of a rank that just went away
+                        log.debug("instance %x did not describe itself: %s", iid, e)
+                        continue
+                    self.instances[st.rank] = iid
+                    self.status[st.rank] = st
+                    log.info("found rank %d (instance %x, %s)", st.rank, iid, st.state)
+            missing = [r for r in ranks if r not in self.instances]
+            if not missing:
                 return
+            dead = [r for r in missing if provider is not None and provider.alive(r) is False]
+            if dead:
+                raise ControlError(f"ranks {dead} died before registering")
             if time.monotonic() > deadline:
-                raise ControlError(f"only ranks {sorted(self.instances)} of {want} appeared within "
-                                   f"{self.cfg.bootstrap_timeout_s:.0f} s")
-            await asyncio.sleep(0.2)
+                raise ControlError(f"ranks {missing} did not appear within {timeout:.0f} s")
+            await asyncio.sleep(0.1)
+
+    def forget(self, rank: int) -> None:
+        self.instances.pop(rank, None)
+        self.status.pop(rank, None)
+        self.load_base.pop(rank, None)
+
+    def expert_load(self) -> list[list[int]]:
+        """Tokens routed to each expert per MoE layer since the last rebalance, over active ranks."""
+        total = None
+        for r in self.active:
+            cur = self.status[r].load
+            base = self.load_base.get(r)
+            rows = [[c - (base[i][j] if base else 0) for j, c in enumerate(row)] for i, row in enumerate(cur)]
+            total = rows if total is None else [[a + b for a, b in zip(x, y)] for x, y in zip(total, rows)]
+        return total or []
+
+    def reset_load(self) -> None:
+        self.load_base = {r: self.status[r].load for r in self.active}
 
     async def bootstrap(self) -> None:
-        want = self.wcfg.dp_size
-        await self.discover(want)
-        ranks = list(range(want))
+        ranks = list(range(self.wcfg.dp_size))
+        await self.discover(ranks)
         identities = {self.status[r].model_identity for r in ranks}
         if len(identities) != 1:
             raise ControlError(f"ranks serve different models: {identities}")
         meta = {r: self.status[r].metadata for r in ranks}
         await self.send_all(ranks, lambda r: Connect(peers={p: m for p, m in meta.items() if p != r}))
         st = self.status[0]
+        self.num_experts = st.num_experts
         placement = balanced_placement(st.num_moe_layers, st.num_experts, self.wcfg.max_ranks,
                                        st.slots_per_rank, ranks)
+        await self.send_all(ranks, lambda r: LoadExperts(placement=placement))
         await self.send_all(ranks, lambda r: Configure(epoch=1, active=ranks, placement=placement))
         await self.send_all(ranks, lambda r: Resume())
         await self.send_all(ranks, lambda r: SetRoutable(routable=True))
@@ -155,38 +197,87 @@ class RouterService:
                 except Exception as e:
                     log.warning("rank %d did not answer: %s", r, e)
 
+    def observe_op(self, op: Operation) -> None:
+        key = (op.record.kind, op.record.phase)
+        self.op_results[key] = self.op_results.get(key, 0) + 1
+
     # ---- HTTP ----------------------------------------------------------------------------------
     def topology(self) -> Topology:
         views = []
         for r, st in sorted(self.status.items()):
             experts = self.placement.experts_on(r, 0) if self.placement else []
-            state = "ACTIVE" if r in self.active and st.routable else ("CONNECTED" if st.connected else "LOADED")
-            views.append(RankView(rank=r, instance_id=st.instance_id, state=state, routable=st.routable,
+            views.append(RankView(rank=r, instance_id=st.instance_id, state=st.state, routable=st.routable,
                                   paused=st.paused, epoch=st.epoch, steps=st.steps, running=st.running,
                                   waiting=st.waiting, requests_total=st.requests_total, expert_rows=st.expert_rows,
                                   experts_layer0=[e for e in experts if e >= 0]))
+        sc = self.scaler
+        op = sc.current.record if sc and sc.current else (sc.history[-1] if sc and sc.history else None)
         return Topology(epoch=self.epoch, dp_size=len(self.active), max_ranks=self.wcfg.max_ranks,
-                        active=self.active, ranks=views)
+                        active=self.active, ranks=views, scaling=bool(sc and sc.busy),
+                        target=sc.pending.dp_size if sc and sc.pending else None, operation=op)
 
     def metrics(self) -> str:
-        lines = [
-            "# HELP elastic_router_epoch Current topology epoch.", "# TYPE elastic_router_epoch gauge",
-            f"elastic_router_epoch {self.epoch}",
-            "# HELP elastic_router_active_ranks Ranks in the active set.", "# TYPE elastic_router_active_ranks gauge",
-            f"elastic_router_active_ranks {len(self.active)}",
-            "# HELP elastic_rank_steps Engine steps taken by a rank.", "# TYPE elastic_rank_steps counter",
-        ]
-        lines += [f'elastic_rank_steps{{rank="{r}"}} {st.steps}' for r, st in sorted(self.status.items())]
-        lines += ["# HELP elastic_rank_running_requests Requests running on a rank.",
-                  "# TYPE elastic_rank_running_requests gauge"]
-        lines += [f'elastic_rank_running_requests{{rank="{r}"}} {st.running}' for r, st in sorted(self.status.items())]
-        lines += ["# HELP elastic_rank_requests_total Requests a rank accepted.",
-                  "# TYPE elastic_rank_requests_total counter"]
-        lines += [f'elastic_rank_requests_total{{rank="{r}"}} {st.requests_total}' for r, st in sorted(self.status.items())]
-        lines += ["# HELP elastic_rank_expert_rows Token-expert pairs computed by a rank.",
-                  "# TYPE elastic_rank_expert_rows counter"]
-        lines += [f'elastic_rank_expert_rows{{rank="{r}"}} {st.expert_rows}' for r, st in sorted(self.status.items())]
+        def family(name, kind, help_, samples):
+            return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples]
+
+        st = sorted(self.status.items())
+        last = self.scaler.history[-1] if self.scaler and self.scaler.history else None
+        lines = family("elastic_router_epoch", "gauge", "Current topology epoch.", [f"elastic_router_epoch {self.epoch}"])
+        lines += family("elastic_router_active_ranks", "gauge", "Ranks in the active set.",
+                        [f"elastic_router_active_ranks {len(self.active)}"])
+        lines += family("elastic_router_scaling", "gauge", "1 while a scale operation runs or is queued.",
+                        [f"elastic_router_scaling {int(bool(self.scaler and self.scaler.busy))}"])
+        lines += family("elastic_scale_operations_total", "counter", "Scale operations by kind and outcome.",
+                        [f'elastic_scale_operations_total{{kind="{k}",result="{p}"}} {n}'
+                         for (k, p), n in sorted(self.op_results.items())])
+        if last is not None:
+            lines += family("elastic_scale_last_downtime_seconds", "gauge",
+                            "Downtime of the last scale commit (first pause to last resume).",
+                            [f'elastic_scale_last_downtime_seconds{{op="{last.id}"}} {last.downtime_s or 0}'])
+            lines += family("elastic_scale_last_total_seconds", "gauge", "Duration of the last scale operation.",
+                            [f'elastic_scale_last_total_seconds{{op="{last.id}"}} {last.total_s or 0}'])
+            lines += family("elastic_scale_last_phase_seconds", "gauge", "Seconds per phase of the last operation.",
+                            [f'elastic_scale_last_phase_seconds{{op="{last.id}",phase="{p}"}} {v}'
+                             for p, v in last.phases.items()])
+        lines += family("elastic_rank_steps", "counter", "Engine steps taken by a rank.",
+                        [f'elastic_rank_steps{{rank="{r}"}} {s.steps}' for r, s in st])
+        lines += family("elastic_rank_running_requests", "gauge", "Requests running on a rank.",
+                        [f'elastic_rank_running_requests{{rank="{r}"}} {s.running}' for r, s in st])
+        lines += family("elastic_rank_requests_total", "counter", "Requests a rank accepted.",
+                        [f'elastic_rank_requests_total{{rank="{r}"}} {s.requests_total}' for r, s in st])
+        lines += family("elastic_rank_expert_rows", "counter", "Token-expert pairs computed by a rank.",
+                        [f'elastic_rank_expert_rows{{rank="{r}"}} {s.expert_rows}' for r, s in st])
         return "\n".join(lines) + "\n"
+
+    def parse_scale(self, body: bytes, field: str) -> ScaleRequest:
+        """A scale request, or ValueError with what is wrong (the HTTP layer answers 400)."""
+        try:
+            raw = msgspec.json.decode(body) if body else None
+        except msgspec.DecodeError as e:
+            raise ValueError(f"request body is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f'expected a JSON object like {{"{field}": 4}}')
+        if field not in raw:
+            raise ValueError(f"missing field '{field}'")
+        n = raw[field]
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ValueError(f"{field} must be an integer, got {msgspec.json.encode(n).decode()}")
+        lo, hi = self.wcfg.min_ranks, self.wcfg.max_ranks
+        if n < lo:
+            raise ValueError(f"{field} must be at least {lo} (Worker.min_ranks), got {n}")
+        if n > hi:
+            raise ValueError(f"{field} {n} exceeds max_ranks {hi}: the EP buffers and expert slots were sized "
+                             f"for {hi} ranks at launch")
+        mode = raw.get("mode", "C")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        fault = raw.get("fault", "")
+        if fault and not self.cfg.allow_fault_injection:
+            raise ValueError("fault injection is off (Router.allow_fault_injection)")
+        drain = raw.get("drain_timeout", raw.get("drain_timeout_s", self.cfg.drain_timeout_s))
+        if not isinstance(drain, (int, float)) or isinstance(drain, bool) or drain < 0:
+            raise ValueError(f"drain_timeout must be a number of seconds >= 0, got {drain!r}")
+        return ScaleRequest(dp_size=n, mode=mode, drain_timeout_s=float(drain), fault=fault)
 
     def app(self) -> web.Application:
         @web.middleware
@@ -196,6 +287,9 @@ class RouterService:
                 if not hmac.compare_digest(given, f"Bearer {self.cfg.token}"):
                     return web.json_response({"error": "missing or wrong bearer token"}, status=401)
             return await handler(request)
+
+        def error(status: int, message: str):
+            return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
         async def topology(_):
             return web.Response(body=msgspec.json.encode(self.topology()), content_type="application/json")
@@ -208,8 +302,46 @@ class RouterService:
         async def metrics(_):
             return web.Response(text=self.metrics(), content_type="text/plain")
 
+        async def submit(request, field):
+            if not self.ready.is_set():
+                return None, error(503, "the first group is still forming")
+            try:
+                req = self.parse_scale(await request.read(), field)
+            except ValueError as e:
+                return None, error(400, str(e))
+            queued = self.scaler.pending or (self.scaler.current.req if self.scaler.current else None)
+            now = queued.dp_size if queued else len(self.active)
+            if req.dp_size == now:
+                return None, error(409, f"{field} is already {now}" + (" (queued)" if queued else ""))
+            self.scaler.request(req)
+            return req, None
+
+        async def scale(request):
+            req, err = await submit(request, "dp_size")
+            if err:
+                return err
+            if request.query.get("wait", "") in ("1", "true"):
+                rec = await self.scaler.wait_idle()
+                return web.Response(body=msgspec.json.encode(rec), content_type="application/json")
+            return web.json_response({"accepted": True, "dp_size": req.dp_size, "mode": req.mode}, status=202)
+
+        async def scale_elastic_ep(request):
+            # vLLM's API: blocks until the deployment reached the size.
+            req, err = await submit(request, "new_data_parallel_size")
+            if err:
+                return err
+            rec = await self.scaler.wait_idle()
+            ok = rec is not None and rec.phase == "done" and len(self.active) == req.dp_size
+            return web.json_response({"success": ok, "new_data_parallel_size": len(self.active),
+                                      "operation": msgspec.to_builtins(rec)}, status=200 if ok else 500)
+
+        async def is_scaling(_):
+            return web.json_response({"is_scaling": bool(self.scaler and self.scaler.busy)})
+
         app = web.Application(middlewares=[auth])
-        app.add_routes([web.get("/topology", topology), web.get("/health", health), web.get("/metrics", metrics)])
+        app.add_routes([web.get("/topology", topology), web.get("/health", health), web.get("/metrics", metrics),
+                        web.post("/scale", scale), web.post("/scale_elastic_ep", scale_elastic_ep),
+                        web.post("/is_scaling_elastic_ep", is_scaling)])
         return app
 
 
@@ -225,19 +357,23 @@ async def serve() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     svc = RouterService(rt, ctx, cfg, wcfg)
+    provider = LocalProvider(ctx)
+    svc.scaler = Scaler(svc, provider)
     runner = web.AppRunner(svc.app())
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     log.info("control API on http://%s:%d", cfg.host, cfg.port)
     boot = asyncio.create_task(svc.bootstrap())
     refresh = asyncio.create_task(svc.refresh())
+    scaler = asyncio.create_task(svc.scaler.run())
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({boot, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if boot in done and boot.exception():
         raise boot.exception()
     await waiter
-    for t in (boot, refresh):
+    for t in (boot, refresh, scaler):
         t.cancel()
+    await provider.close()
     await runner.cleanup()
     rt.shutdown()
     log.info("router stopped")

@@ -439,6 +439,8 @@ async def run_graph(ctx: GraphContext, plan: list[tuple[str, ProcessSpec]]) -> i
         "PYTHONPATH": pythonpath,
         "PYTHONUNBUFFERED": "1",
     }
+    # The runtime logs every routed request at info; our components log what a person follows.
+    base_env.setdefault("DYN_LOG", "warn")
     if not sys.stdout.isatty():
         # Children write to our pipe, not a terminal: keep escape codes out of logs.
         base_env.setdefault("NO_COLOR", "1")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import time
 import signal
 import sys
 import uuid
@@ -20,8 +22,8 @@ import msgspec
 
 from components.component import Component, GraphContext, ProcessSpec, component_config, load_context
 from components.control import (
-    Configure, Connect, ControlReply, Describe, Disconnect, Pause, RankStatus, Resume, SetRoutable,
-    decode_request, encode,
+    Configure, Connect, ControlReply, Describe, Disconnect, Drain, Exit, ExportWeights, LoadExperts, Pause,
+    PullWeights, RankStatus, Resume, SetRoutable, Warmup, decode_request, encode,
 )
 from components.lifecycle import Lifecycle, RankState
 
@@ -53,14 +55,40 @@ class Worker(Component):
             raise ValueError(f"Worker.device must be 'cpu' or 'cuda', not {c.device!r}")
 
     @classmethod
-    def rank_process(cls, rank: int) -> ProcessSpec:
-        return ProcessSpec(label=f"Worker.{rank}", argv=[sys.executable, "-m", cls.module, "--rank", str(rank)],
-                           critical=False)
+    def rank_process(cls, rank: int, join: bool = False) -> ProcessSpec:
+        argv = [sys.executable, "-m", cls.module, "--rank", str(rank)] + (["--join"] if join else [])
+        return ProcessSpec(label=f"Worker.{rank}", argv=argv, critical=False)
 
     @classmethod
     def processes(cls, config: Any, ctx: GraphContext) -> list[ProcessSpec]:
         cls.check(config)
         return [cls.rank_process(r) for r in range(config.dp_size)]
+
+
+FAULT_ENV = "ELASTIC_EP_FAULT"
+
+
+class Faults(msgspec.Struct, frozen=True):
+    """Failures a joiner injects into itself, to test that a scale operation aborts cleanly.
+    Set only by a router whose `allow_fault_injection` is on, through ELASTIC_EP_FAULT:
+    `exit_on=<command tag>`, `corrupt_pull`, `stall_configure=<seconds>`."""
+
+    exit_on: str = ""
+    corrupt_pull: bool = False
+    stall_configure: float = 0.0
+
+    @classmethod
+    def from_env(cls) -> "Faults":
+        spec = os.environ.get(FAULT_ENV, "")
+        fields: dict[str, Any] = {}
+        for part in filter(None, spec.split(",")):
+            key, _, val = part.partition("=")
+            fields[key] = val or True
+        return msgspec.convert(fields, cls, strict=False)
+
+
+def expert_slot_name(layer: int, slot: int, part: str) -> str:
+    return f"experts.{layer}.{slot}.{part}"
 
 
 def model_source(cfg: Worker.Config) -> tuple[str, str]:
@@ -93,12 +121,16 @@ def to_request(raw: dict[str, Any], max_len: int):
 
 
 class RankServer:
-    def __init__(self, rank: int, cfg: Worker.Config, ctx: GraphContext):
-        self.rank, self.cfg, self.ctx = rank, cfg, ctx
+    def __init__(self, rank: int, cfg: Worker.Config, ctx: GraphContext, join: bool):
+        self.rank, self.cfg, self.ctx, self.join = rank, cfg, ctx, join
         self.life = Lifecycle(rank)
+        self.faults = Faults.from_env()
         self.routable = asyncio.Event()
         self.engine = None
+        self.store = None
         self.gen_ep = self.ctl_ep = None
+        self.streams: dict[str, asyncio.Queue] = {}  # request id -> its output queue
+        self.exit = asyncio.Event()
 
     def load(self) -> None:
         import torch
@@ -111,16 +143,28 @@ class RankServer:
         if device == "cuda":
             device = f"cuda:{self.rank % torch.cuda.device_count()}"
         c = self.cfg
-        self.engine = EngineRank(
+        t0 = time.perf_counter()
+        e = self.engine = EngineRank(
             RankConfig(rank=self.rank, max_ranks=c.max_ranks, device=device, dtype=c.dtype,
                        max_seqs=c.max_seqs, max_len=c.max_len, max_batched_tokens=c.max_batched_tokens,
                        min_ranks=c.min_ranks),
-            model_dir,
+            model_dir, load_weights=not self.join,
         )
+        from components.engine.weight_transfer import WeightStore
+
+        tensors = dict(e.model.named_parameters())
+        for layer, moe in e.model.moe_layers:
+            for slot in range(e.slots_per_rank):
+                for part, buf in (("gate", moe.w_gate), ("up", moe.w_up), ("down", moe.w_down)):
+                    tensors[expert_slot_name(layer, slot, part)] = buf[slot]
+        self.store = WeightStore(self.rank, tensors, device=device)
         # Not serving anyone until the router puts this rank into a group.
-        self.engine.comm.set_active([], 0)
-        self.engine.start()
-        self.life.transition(RankState.LOADED, f"cold start from {model_dir}")
+        e.comm.set_active([], 0)
+        e.start()
+        if self.join:
+            log.info("rank %d: joiner up in %.2f s, waiting for weights from peers", self.rank, time.perf_counter() - t0)
+        else:
+            self.life.transition(RankState.LOADED, f"cold start from {model_dir} in {time.perf_counter() - t0:.2f} s")
 
     def status(self) -> RankStatus:
         e = self.engine
@@ -129,7 +173,8 @@ class RankServer:
             model_identity=e.model_config.identity(), num_experts=e.model_config.num_experts,
             num_moe_layers=len(e.model.moe_layers), slots_per_rank=e.slots_per_rank, epoch=e.epoch,
             active=list(e.comm.active), connected=list(e.comm.connected), paused=e.paused,
-            routable=self.routable.is_set(), steps=e.steps, running=len(e.sched.running),
+            routable=self.routable.is_set(), steps=e.steps, state=self.life.state.name,
+            load=[moe.load.tolist() for _, moe in e.model.moe_layers], running=len(e.sched.running),
             waiting=len(e.sched.waiting), requests_total=e.requests_total, expert_rows=e.expert_rows,
         )
 
@@ -143,64 +188,79 @@ class RankServer:
         try:
             self.engine.submit(req, lambda o: loop.call_soon_threadsafe(out.put_nowait, o))
         except RequestError as e:
-            # A request the engine cannot serve is the client's fault: 400, not a 500.
+            # A request the engine cannot serve is the client's fault: Dynamo's frontend turns
+            # InvalidArgument into a 400 with this message (a finish_reason "error: ..." is a 500).
             from dynamo.llm.exceptions import InvalidArgument
 
             raise InvalidArgument(str(e)) from None
-        produced = 0
+        self.streams[req.request_id] = out
+        produced, finished = 0, False
         try:
             while True:
                 o = await out.get()
+                if o is HANDOVER:
+                    # End the stream unfinished: Dynamo's migration re-sends prompt + tokens so far
+                    # to another rank.
+                    log.info("rank %d: handing over request %s after %d tokens", self.rank, req.request_id, produced)
+                    raise RuntimeError(f"rank {self.rank} is leaving; request handed over")
                 produced += len(o.token_ids)
                 chunk: dict[str, Any] = {"token_ids": o.token_ids}
                 if o.finish_reason:
+                    finished = True
                     chunk["finish_reason"] = o.finish_reason
                     chunk["completion_usage"] = {
                         "prompt_tokens": len(req.prompt), "completion_tokens": produced,
                         "total_tokens": len(req.prompt) + produced,
                     }
                 yield chunk
-                if o.finish_reason:
+                if finished:
                     return
         finally:
-            if not (out.qsize() == 0 and produced and o.finish_reason):
+            self.streams.pop(req.request_id, None)
+            if not finished:
                 self.engine.cancel(req.request_id)
 
     async def control(self, raw: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         try:
             msg = decode_request(raw)
-            await self._apply(msg)
-            reply = ControlReply(ok=True, status=self.status())
+            if self.faults.exit_on and self.faults.exit_on == raw.get("type"):
+                log.error("rank %d: injected fault: exiting on %s", self.rank, self.faults.exit_on)
+                os._exit(17)
+            reply = await self._apply(msg) or ControlReply(ok=True)
+            reply.status = self.status()
         except Exception as e:  # the router gets the reason; this rank keeps serving
             log.exception("rank %d: control %s failed", self.rank, raw.get("type"))
             reply = ControlReply(ok=False, error=f"{type(e).__name__}: {e}")
         yield encode(reply)
 
-    async def _apply(self, msg) -> None:
+    async def _apply(self, msg) -> ControlReply | None:
         e = self.engine
-        run = lambda fut: asyncio.wrap_future(fut)  # noqa: E731
+        on_loop = lambda fn: asyncio.wrap_future(e.call(fn))  # noqa: E731
         if isinstance(msg, Describe):
-            return
+            return None
         if isinstance(msg, Connect):
-            await run(e.call(lambda: e.comm.connect(msg.peers, activate=msg.activate)))
+            # Off the step loop: connecting joiners must not stall serving. The communicator
+            # serialises this against a collective in flight.
+            await asyncio.to_thread(e.comm.connect, msg.peers, msg.activate)
+            if self.life.state in (RankState.LOADED, RankState.WARMED) and self.join:
+                self.life.transition(RankState.STAGED, f"connected to ranks {sorted(msg.peers)}, masked")
         elif isinstance(msg, Disconnect):
-            await run(e.call(lambda: e.comm.disconnect(msg.ranks)))
+            await asyncio.to_thread(e.comm.disconnect, msg.ranks)
         elif isinstance(msg, Pause):
-            await run(e.pause())
+            await asyncio.wrap_future(e.pause())
         elif isinstance(msg, Configure):
             if not e.paused and self.rank in e.comm.active and len(e.comm.active) > 1:
                 raise RuntimeError("configure needs the group paused first")
-            def configure():
-                # EngineRank.configure only installs the map now: fill the slots from the
-                # checkpoint too (a cold-started rank has nothing in them otherwise).
-                e.load_experts(msg.placement)
-                e.configure(msg.epoch, msg.active, msg.placement)
-
-            await run(e.call(configure))
+            if self.faults.stall_configure:
+                log.error("rank %d: injected fault: stalling configure %.1f s", self.rank, self.faults.stall_configure)
+                await asyncio.sleep(self.faults.stall_configure)
+            await on_loop(lambda: e.configure(msg.epoch, msg.active, msg.placement))
         elif isinstance(msg, Resume):
-            await run(e.resume())
-            if self.rank in e.comm.active and self.life.state is RankState.LOADED:
+            await asyncio.wrap_future(e.resume())
+            if self.rank in e.comm.active and self.life.state in (RankState.LOADED, RankState.WARMED, RankState.STAGED):
                 self.life.transition(RankState.ACTIVE, f"epoch {e.epoch}, active {list(e.comm.active)}")
+            elif self.rank not in e.comm.active and self.life.state is RankState.LEAVING:
+                log.info("rank %d: out of the active set at epoch %d", self.rank, e.epoch)
         elif isinstance(msg, SetRoutable):
             if msg.routable:
                 await self.gen_ep.register_endpoint_instance()
@@ -208,16 +268,68 @@ class RankServer:
             else:
                 await self.gen_ep.unregister_endpoint_instance()
                 self.routable.clear()
+                if self.life.state is RankState.ACTIVE:
+                    self.life.transition(RankState.LEAVING, "out of routing")
+        elif isinstance(msg, LoadExperts):
+            await on_loop(lambda: e.load_experts(msg.placement))
+        elif isinstance(msg, ExportWeights):
+            manifest = await on_loop(lambda: self.store.manifest(msg.names))
+            return ControlReply(ok=True, manifest=manifest)
+        elif isinstance(msg, PullWeights):
+            return await self._pull(msg)
+        elif isinstance(msg, Warmup):
+            seconds = await on_loop(lambda: e.warmup(msg.placement, recapture=msg.recapture))
+            if self.life.state in (RankState.LOADED, RankState.STAGED):
+                self.life.transition(RankState.WARMED, f"alone, remote peers masked, {seconds:.3f} s", msg.op)
+            return ControlReply(ok=True, seconds=seconds)
+        elif isinstance(msg, Drain):
+            return await self._drain(msg)
+        elif isinstance(msg, Exit):
+            self.life.transition(RankState.EXITED, "asked to exit", msg.op)
+            self.exit.set()
+        return None
+
+    async def _pull(self, msg: PullWeights) -> ControlReply:
+        from components.engine.weight_transfer import WeightTransferError
+
+        state = self.life.state
+        stats = await asyncio.to_thread(self.store.pull, msg.items, msg.sources)
+        if self.faults.corrupt_pull:
+            log.error("rank %d: injected fault: corrupting a pulled tensor", self.rank)
+            name = msg.items[0].dst_name
+            t = self.store.tensors[name]
+            t.view(-1)[0] += 1
+            raise WeightTransferError(f"tensor {name} from rank {msg.items[0].src_rank}: checksum mismatch "
+                                      f"after the pull (injected corruption)")
+        log.info("[op %s] rank %d: pulled %d tensors, %.1f MB in %.3f s (%.2f GB/s) from ranks %s", msg.op,
+                 self.rank, stats.tensors, stats.bytes / 1e6, stats.seconds, stats.gbps, sorted(stats.per_source))
+        if state is RankState.BOOTING:
+            self.life.transition(RankState.LOADED, f"weights pulled from ranks {sorted(stats.per_source)}", msg.op)
+        return ControlReply(ok=True, pull=stats, seconds=stats.seconds)
+
+    async def _drain(self, msg: Drain) -> ControlReply:
+        e = self.engine
+        deadline = time.monotonic() + msg.timeout_s
+        while (e.sched.running or e.sched.waiting or self.streams) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        handed = list(self.streams.values())
+        for q in handed:
+            q.put_nowait(HANDOVER)
+        log.info("[op %s] rank %d: drained; %d request(s) handed over", msg.op, self.rank, len(handed))
+        return ControlReply(ok=True, handed_over=len(handed))
 
 
-async def serve(rank: int) -> None:
+HANDOVER = object()  # queued into a stream to end it unfinished
+
+
+async def serve(rank: int, join: bool) -> None:
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
 
     from components.runtime import make_runtime
 
     ctx, _ = load_context()
     cfg = component_config(Worker.Config)
-    server = RankServer(rank, cfg, ctx)
+    server = RankServer(rank, cfg, ctx, join)
     await asyncio.to_thread(server.load)
     loop = asyncio.get_running_loop()
     rt = make_runtime(loop, ctx)
@@ -232,19 +344,27 @@ async def serve(rank: int) -> None:
     gen = asyncio.ensure_future(server.gen_ep.serve_endpoint(server.generate))
     await asyncio.sleep(0.2)
     await server.gen_ep.unregister_endpoint_instance()
+    ctl = asyncio.ensure_future(server.ctl_ep.serve_endpoint(server.control))
+    exit_wait = asyncio.ensure_future(server.exit.wait())
     try:
-        await asyncio.gather(gen, server.ctl_ep.serve_endpoint(server.control))
+        await asyncio.wait({gen, ctl, exit_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if server.exit.is_set():
+            await asyncio.sleep(0.2)  # let the reply to Exit go out
+            rt.shutdown()
     finally:
         server.engine.stop()
+        server.store.close()
         log.info("rank %d: stopped", rank)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description="One DP/EP worker rank (started by `dynamo serve`).")
     p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--join", action="store_true",
+                   help="join a serving group: pull weights from peers instead of reading the checkpoint")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args.rank))
+    asyncio.run(serve(args.rank, args.join))
 
 
 if __name__ == "__main__":

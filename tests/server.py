@@ -1,0 +1,127 @@
+"""`dynamo serve graphs/elastic:Frontend` as a test fixture, and the single-rank reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "elastic-ep/tiny-moe"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Server:
+    """The whole graph in a subprocess on free ports, with a private discovery directory."""
+
+    def __init__(self, args: list[str], boot_timeout_s: float = 180):
+        self.http_port, self.router_port = free_ports(2)
+        self.tmp = Path(tempfile.mkdtemp(prefix="elastic-test-"))
+        self.log_path = self.tmp / "serve.log"
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [shutil.which("dynamo") or "dynamo", "serve", "graphs/elastic:Frontend",
+             f"--Frontend.port={self.http_port}", f"--Router.port={self.router_port}",
+             "--discovery-dir", str(self.tmp / "discovery"), *args],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=120)
+        self.ctl = httpx.Client(base_url=f"http://127.0.0.1:{self.router_port}", timeout=120)
+        self._wait_ready(boot_timeout_s)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dynamo serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if (self.ctl.get("/health").status_code == 200
+                        and any(m["id"] == MODEL for m in self.http.get("/v1/models").json()["data"])):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"graph not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def control(self, method: str, path: str, **kw) -> httpx.Response:
+        return self.ctl.request(method, path, **kw)
+
+    def topology(self) -> dict:
+        return self.ctl.get("/topology").json()
+
+    def stream_text(self, prompt: list[int], max_tokens: int) -> str:
+        """Greedy streaming completion of a token-id prompt; returns the generated text."""
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        text = []
+        with self.http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                for choice in chunk.get("choices", []):
+                    text.append(choice.get("text") or "")
+        return "".join(text)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+_TOKENIZER = None
+
+
+def tokenizer():
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from tokenizers import Tokenizer
+
+        from components.engine.builtin import builtin_model_dir
+
+        _TOKENIZER = Tokenizer.from_file(str(builtin_model_dir() / "tokenizer.json"))
+    return _TOKENIZER
+
+
+def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 1024) -> list[str]:
+    """Greedy output of the single-rank in-process engine on the built-in model, as text."""
+    from components.engine.builtin import builtin_model_dir
+    from tests.reference import generate, single_rank
+
+    eng = single_rank(builtin_model_dir(), max_len=max_len)
+    eng.start()
+    try:
+        tokens, _ = generate(eng, prompts, max_tokens, ignore_eos=True)
+    finally:
+        eng.stop()
+    return [tokenizer().decode(t, skip_special_tokens=True) for t in tokens]

@@ -1,0 +1,343 @@
+"""WeightStore.pull over real NIXL/UCX between real processes (CPU DRAM; a GPU variant where CUDA is).
+
+Sources are `python -m tests.weight_peer` processes serving deterministic weights
+(tests/weight_peer.make_weights); the test process is the joiner and checks what it pulled
+byte-for-byte against the same function.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.engine.weight_transfer import (
+    PullItem,
+    WeightStore,
+    WeightTransferError,
+    checksum,
+    checksums,
+    decode_manifest,
+    spread,
+)
+from tests.weight_peer import N_SLOTS, fresh_like, make_weights
+
+ROOT = Path(__file__).resolve().parent.parent
+BIG_MB = 256  # each source holds 256 MB of "big" tensors; spread() pulls half from each
+NON_EXPERT = ["embed", "norm", "attn.qkv", "odd", "half3"] + [f"big.{i}" for i in range(4)]
+
+
+class Sources:
+    """Source processes sharing one directory (manifests, stop flag, completion records)."""
+
+    def __init__(self, d: Path):
+        self.dir = d
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def spawn(self, rank: int, *extra: str) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        log = open(self.dir / f"log-{rank}.txt", "wb")
+        cmd = [sys.executable, "-m", "tests.weight_peer", "--rank", str(rank), "--dir", str(self.dir), *extra]
+        self.procs[rank] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def manifest(self, rank: int, timeout: float = 60.0):
+        path = self.dir / f"manifest-{rank}.bin"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            p = self.procs[rank]
+            if p.poll() is not None and not path.exists():
+                pytest.fail(f"source {rank} exited {p.returncode} before its manifest\n{self.logs()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no manifest from source {rank} in {timeout}s\n{self.logs()}")
+            time.sleep(0.02)
+        return decode_manifest(path.read_bytes())
+
+    def done(self, rank: int, timeout: float = 10.0) -> list[dict]:
+        """Completion notifications source `rank` has received (waits for at least one)."""
+        path = self.dir / f"done-{rank}.json"
+        deadline = time.monotonic() + timeout
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return json.loads(path.read_text()) if path.exists() else []
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.dir.glob("log-*.txt")))
+
+    def stop(self) -> None:
+        (self.dir / "stop").touch()
+        for r, p in self.procs.items():
+            try:
+                p.send_signal(signal.SIGCONT)
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    """Ranks 0 and 1 serve healthy weights (same non-expert tensors, different experts); rank 2
+    serves a corrupted `embed`; rank 3 exits right after its manifest. Started together so the
+    interpreter start-ups overlap."""
+    s = Sources(tmp_path_factory.mktemp("weights"))
+    s.spawn(0, "--big-mb", str(BIG_MB))
+    s.spawn(1, "--big-mb", str(BIG_MB))
+    s.spawn(2, "--corrupt", "embed")
+    s.spawn(3, "--exit-early")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return {r: make_weights(r, big_mb=BIG_MB) for r in (0, 1)}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8).cpu()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
+
+
+def test_pull_from_two_sources(src, expected):
+    m = {r: src.manifest(r) for r in (0, 1)}
+    sizes = {d.name: d.nbytes for d in m[0].tensors}
+    items = spread(NON_EXPERT, [0, 1], sizes)
+    # Experts per a target expert map: slots 0-3 from rank 0, 4-7 from rank 1.
+    items += [PullItem(s // 4, f"experts.0.{s}.gate", f"experts.0.{s}.gate") for s in range(N_SLOTS)]
+    calls: list[tuple[int, int]] = []
+    with WeightStore(7, fresh_like(expected[0])) as local:
+        assert local.num_regions == len(NON_EXPERT) + 1  # the slot views share moe.w_gate's region
+        stats = local.pull(items, m, timeout_s=60, progress=lambda d, t: calls.append((d, t)))
+
+        for n in NON_EXPERT:
+            assert _same(local.tensors[n], expected[0][n]), n
+        for s in range(N_SLOTS):
+            assert _same(local.tensors[f"experts.0.{s}.gate"], expected[s // 4][f"experts.0.{s}.gate"]), s
+        total = sum(sizes[it.src_name] for it in items)
+        assert stats.tensors == len(items) and stats.bytes == total
+        assert set(stats.per_source) == {0, 1} and sum(stats.per_source.values()) == total
+        big = 4 * (BIG_MB << 20) // 4
+        assert min(stats.per_source.values()) > big // 3, stats.per_source  # spread balanced the big ones
+        assert calls and calls[-1] == (total, total)
+        assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
+        for r in (0, 1):
+            done = src.done(r)
+            assert any(e["rank"] == 7 and e["ok"] and e["bytes"] == stats.per_source[r] for e in done), done
+        print(
+            f"\npulled {stats.bytes / 2**20:.0f} MiB in {stats.tensors} tensors from ranks {sorted(stats.per_source)}: "
+            f"{stats.gbps:.2f} GB/s end to end ({stats.seconds:.3f}s), "
+            f"{stats.bytes / stats.transfer_seconds / 1e9:.2f} GB/s transfer only ({stats.transfer_seconds:.3f}s), "
+            f"verify {stats.verify_seconds:.3f}s"
+        )
+
+
+def test_slot_view_lands_in_right_slot(src, expected):
+    m = {1: src.manifest(1)}
+    with WeightStore(8, fresh_like(expected[1])) as local:
+        local.pull([PullItem(1, "experts.0.5.gate", "experts.0.2.gate")], m, timeout_s=30)
+        buf = local.tensors["moe.w_gate"]
+        assert _same(buf[2], expected[1]["experts.0.5.gate"])
+        others = [s for s in range(N_SLOTS) if s != 2]
+        assert not buf[others].any(), "bytes landed outside the destination slot"
+        assert not _same(buf[2], expected[1]["experts.0.2.gate"])
+
+
+def test_mismatch_refused_before_transfer(src, expected):
+    m = {0: src.manifest(0)}
+    dst = fresh_like(expected[0])
+    dst["embed"] = torch.zeros(1000, 32)  # wrong shape
+    dst["norm"] = torch.zeros(4096, dtype=torch.float16)  # wrong dtype, same size
+    with WeightStore(8, dst) as local:
+        # A valid item first: nothing at all may be transferred when any item is refused.
+        with pytest.raises(WeightTransferError) as ei:
+            local.pull([PullItem(0, "attn.qkv", "attn.qkv"), PullItem(0, "embed", "embed")], m, timeout_s=30)
+        msg = str(ei.value)
+        assert "tensor embed from rank 0" in msg and "[1000, 64]" in msg and "[1000, 32]" in msg, msg
+        assert "nothing was transferred" in msg
+        with pytest.raises(WeightTransferError, match=r"tensor norm from rank 0: source is bfloat16.*float16"):
+            local.pull([PullItem(0, "attn.qkv", "attn.qkv"), PullItem(0, "norm", "norm")], m, timeout_s=30)
+        with pytest.raises(WeightTransferError, match=r"tensor nope from rank 0: not in that rank's manifest"):
+            local.pull([PullItem(0, "nope", "embed")], m)
+        with pytest.raises(WeightTransferError, match=r"no manifest for rank 5"):
+            local.pull([PullItem(5, "embed", "embed")], m)
+        with pytest.raises(WeightTransferError, match=r"overlaps"):
+            local.pull([PullItem(0, "moe.w_gate", "moe.w_gate"), PullItem(0, "experts.0.1.gate", "experts.0.1.gate")], m)
+        assert not local.tensors["attn.qkv"].any()
+        # The store is still usable after refusals.
+        local.pull([PullItem(0, "attn.qkv", "attn.qkv")], m, timeout_s=30)
+        assert _same(local.tensors["attn.qkv"], expected[0]["attn.qkv"])
+
+
+def test_corrupted_source_is_caught(src):
+    m = {2: src.manifest(2), 0: src.manifest(0)}
+    w2 = make_weights(2)
+    with WeightStore(8, fresh_like(w2)) as local:
+        items = [PullItem(2, "embed", "embed"), PullItem(2, "norm", "norm"), PullItem(0, "attn.qkv", "attn.qkv")]
+        with pytest.raises(WeightTransferError) as ei:
+            local.pull(items, m, timeout_s=30)
+        msg = str(ei.value)
+        assert "tensor embed from rank 2: checksum mismatch" in msg, msg
+        assert "norm" not in msg.split("(source")[0]
+        assert _same(local.tensors["norm"], w2["norm"])  # the rest arrived intact
+        done = src.done(2)
+        assert any(e["rank"] == 8 and not e["ok"] for e in done), done
+
+
+def test_dead_source_raises(src, expected):
+    m = {3: src.manifest(3)}
+    src.procs[3].wait(timeout=30)
+    with WeightStore(8, fresh_like(expected[0])) as local:
+        t0 = time.monotonic()
+        with pytest.raises(WeightTransferError, match=r"rank 3") as ei:
+            local.pull([PullItem(3, "embed", "embed")], m, timeout_s=3.0)
+        dt = time.monotonic() - t0
+        assert dt < 3.0 + 2.0, dt
+        print(f"\ndead source reported after {dt:.3f}s: {ei.value}")
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_source_vanishes_between_pulls(tmp_path, expected, how):
+    """A source that served once, then dies (UCX sees the disconnect) or freezes (SIGSTOP: only the
+    timeout can tell). Its agent is already loaded, so this is the path through the xfer states."""
+    s = Sources(tmp_path)
+    s.spawn(4)
+    try:
+        m = {4: s.manifest(4)}
+        w = make_weights(4)
+        with WeightStore(8, fresh_like(w)) as local:
+            if how == "kill":
+                local.pull([PullItem(4, "embed", "embed")], m, timeout_s=30)
+                s.procs[4].kill()
+                s.procs[4].wait()
+            else:
+                s.procs[4].send_signal(signal.SIGSTOP)
+            timeout = 2.0
+            t0 = time.monotonic()
+            with pytest.raises(WeightTransferError, match=r"rank 4") as ei:
+                local.pull([PullItem(4, "norm", "norm"), PullItem(4, "attn.qkv", "attn.qkv")], m, timeout_s=timeout)
+            dt = time.monotonic() - t0
+            assert dt < timeout + 2.0, dt
+            if how == "stop":
+                assert "did not finish" in str(ei.value), ei.value
+            print(f"\n{how}: reported after {dt:.3f}s: {ei.value}")
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------- in-process (no transfers)
+
+
+def test_checksum_properties():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(4096, generator=g)
+    c = checksum(t)
+    assert checksum(t.clone()) == c
+    assert checksum(t.view(torch.int32)) == c  # bytes, not dtype
+    assert checksum(t.view(2, -1).flip(0).contiguous()) != c  # swapped halves
+    # Halves a multiple of 251 words long fool a (index % 251) weighting alone.
+    x = torch.randint(-1000, 1000, (251 * 6,), dtype=torch.int32, generator=g)
+    assert checksum(x.view(2, -1).flip(0).contiguous()) != checksum(x)
+    y = t.clone()
+    y.view(torch.uint8)[1234] ^= 1
+    assert checksum(y) != c
+    # Odd and 16-bit sizes, empty, 0-dim, and a view whose offset is not word-aligned.
+    b = torch.arange(11, dtype=torch.uint8)
+    assert checksum(b) == checksum(b.clone()) != checksum(b.flip(0))
+    h = torch.arange(10, dtype=torch.bfloat16)
+    assert checksum(h[1:5]) == checksum(h[1:5].clone())
+    assert checksum(torch.empty(0)) == 0
+    assert checksum(torch.tensor(3.0)) == checksum(torch.tensor([3.0]))
+    assert checksums([t, x, b]) == [checksum(t), checksum(x), checksum(b)]
+    # Larger than one checksum chunk, with a partial last row.
+    z = torch.randint(-(2**31), 2**31 - 1, (251 * (1 << 14) + 1000,), dtype=torch.int32, generator=g)
+    zs = z.clone()
+    zs[:500], zs[-500:] = z[-500:].clone(), z[:500].clone()
+    assert checksum(z) == checksum(z.clone()) != checksum(zs)
+    with pytest.raises(ValueError):
+        checksum(torch.zeros(4, 4).t())
+
+
+def test_spread_balances_by_size():
+    names = ["a", "b", "c", "d", "e"]
+    sizes = {"a": 10, "b": 100, "c": 60, "d": 50, "e": 5}
+    items = spread(names, [3, 1], sizes)
+    assert [i.src_name for i in items] == names and all(i.src_name == i.dst_name for i in items)
+    got = {i.src_name: i.src_rank for i in items}
+    # b->3 (100), c->1 (60), d->1 (110), a->3 (110), e->3 (115, tie goes to the first source)
+    assert got == {"b": 3, "c": 1, "d": 1, "a": 3, "e": 3}
+    assert {i.src_rank for i in spread(names, [0, 1, 2])} == {0, 1, 2}
+    with pytest.raises(ValueError):
+        spread(names, [])
+
+
+def test_store_validates_tensors():
+    with pytest.raises(ValueError, match="not contiguous"):
+        WeightStore(0, {"w": torch.zeros(4, 4).t()})
+    with WeightStore(0, make_weights(0)) as st:
+        assert st.num_regions == 6  # embed, norm, attn.qkv, odd, half3, moe.w_gate (+ 8 slot views)
+        man = st.manifest(["experts.0.3.gate", "embed"])
+        d = {t.name: t for t in man.tensors}
+        assert d["experts.0.3.gate"].addr == st.tensors["moe.w_gate"][3].data_ptr()
+        assert d["experts.0.3.gate"].shape == [64, 32] and d["experts.0.3.gate"].dtype == "bfloat16"
+        assert d["embed"].checksum == checksum(st.tensors["embed"])
+        with pytest.raises(KeyError):
+            st.manifest(["missing"])
+    st.close()  # idempotent
+    with pytest.raises(WeightTransferError, match="closed"):
+        st.manifest()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pull_two_sources_gpu(tmp_path):
+    s = Sources(tmp_path)
+    for r in (0, 1):
+        s.spawn(r, "--big-mb", str(BIG_MB), "--device", "cuda")
+    try:
+        m = {r: s.manifest(r) for r in (0, 1)}
+        exp = {r: make_weights(r, big_mb=BIG_MB) for r in (0, 1)}
+        sizes = {d.name: d.nbytes for d in m[0].tensors}
+        items = spread(NON_EXPERT, [0, 1], sizes)
+        items += [PullItem(s_ // 4, f"experts.0.{s_}.gate", f"experts.0.{s_}.gate") for s_ in range(N_SLOTS)]
+        dst = {k: v.cuda() for k, v in fresh_like(exp[0]).items() if k != "moe.w_gate" and not k.startswith("experts")}
+        buf = torch.zeros_like(exp[0]["moe.w_gate"], device="cuda")
+        dst["moe.w_gate"] = buf
+        dst.update({f"experts.0.{i}.gate": buf[i] for i in range(N_SLOTS)})
+        with WeightStore(7, dst, device="cuda") as local:
+            stats = local.pull(items, m, timeout_s=60)
+            for n in NON_EXPERT:
+                assert _same(local.tensors[n], exp[0][n]), n
+            for i in range(N_SLOTS):
+                assert _same(local.tensors[f"experts.0.{i}.gate"], exp[i // 4][f"experts.0.{i}.gate"]), i
+            assert set(stats.per_source) == {0, 1}
+            # Same bytes, same checksum on either device.
+            assert checksum(local.tensors["embed"]) == checksum(exp[0]["embed"])
+            print(f"\nGPU: pulled {stats.bytes / 2**20:.0f} MiB from 2 sources: {stats.gbps:.2f} GB/s end to end, "
+                  f"{stats.bytes / stats.transfer_seconds / 1e9:.2f} GB/s transfer only")
+    finally:
+        s.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checksum_same_on_cpu_and_cuda():
+    g = torch.Generator().manual_seed(1)
+    ts = [
+        torch.randn(251 * (1 << 14) * 2 + 777, generator=g),  # several chunks and a partial row
+        torch.randn(4097, generator=g).to(torch.bfloat16),  # 16-bit words
+        torch.randint(0, 256, (13,), dtype=torch.uint8, generator=g),  # bytes
+        torch.empty(0),
+    ]
+    assert [checksum(t.cuda()) for t in ts] == [checksum(t) for t in ts]
+    assert checksums([t.cuda() for t in ts]) == checksums(ts)

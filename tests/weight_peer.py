@@ -1,0 +1,114 @@
+"""A serving rank that offers its weights, for tests/test_weight_transfer.py.
+
+Run as `python -m tests.weight_peer --rank R --dir D ...`: builds a WeightStore over `make_weights`,
+writes its msgspec-encoded manifest to D/manifest-R.bin, then serves until D/stop exists (a source
+must outlive the puller's last READ). Completion notifications from pullers are appended to
+D/done-R.json as they arrive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+N_SLOTS = 8
+SLOT_SHAPE = (64, 32)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make_weights(rank: int, seed: int = 1234, big_mb: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Deterministic weights. Non-expert tensors depend on `seed` only (every rank serves the same
+    ones); expert slots also on `rank` (ranks hold different experts), so a test can tell which
+    source and which slot a pulled expert came from."""
+    w: dict[str, torch.Tensor] = {}
+    w["embed"] = torch.randn(1000, 64, generator=_gen(seed))
+    w["norm"] = torch.randn(4096, generator=_gen(seed + 1)).to(torch.bfloat16)
+    w["attn.qkv"] = torch.randn(192, 64, generator=_gen(seed + 2)).to(torch.bfloat16)
+    w["odd"] = torch.randint(0, 256, (7,), dtype=torch.uint8, generator=_gen(seed + 3))  # odd byte count
+    w["half3"] = torch.randn(3, generator=_gen(seed + 4)).to(torch.float16)  # 6 bytes: 16-bit words
+    for i in range(4):
+        n = (big_mb << 20) // 4 // 4
+        if n:
+            w[f"big.{i}"] = torch.randn(n, generator=_gen(seed + 100 + i))
+    w = {k: v.to(device) for k, v in w.items()}
+    # One buffer of expert slots, as the MoE layer holds them; each slot is also a named view.
+    buf = torch.randn(N_SLOTS, *SLOT_SHAPE, generator=_gen(seed * 31 + rank + 7)).to(torch.bfloat16).to(device)
+    w["moe.w_gate"] = buf
+    for s in range(N_SLOTS):
+        w[f"experts.0.{s}.gate"] = buf[s]
+    return w
+
+
+def fresh_like(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Zeroed destinations with the same layout, slot views included (what a joiner allocates)."""
+    out: dict[str, torch.Tensor] = {}
+    buf = torch.zeros_like(w["moe.w_gate"])
+    for k, v in w.items():
+        if k == "moe.w_gate":
+            out[k] = buf
+        elif k.startswith("experts.0."):
+            out[k] = buf[int(k.split(".")[2])]
+        else:
+            out[k] = torch.zeros_like(v)
+    return out
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--big-mb", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--corrupt", default=None, help="flip a byte of this tensor after the manifest is made")
+    ap.add_argument("--exit-early", action="store_true", help="exit right after writing the manifest")
+    ap.add_argument("--max-s", type=float, default=300.0, help="give up serving after this long")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"[src {args.rank}] %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+
+    from components.engine.weight_transfer import WeightStore, encode_manifest
+
+    d = Path(args.dir)
+    w = make_weights(args.rank, args.seed, args.big_mb, args.device)
+    store = WeightStore(args.rank, w, device=args.device)
+    man = store.manifest()
+    if args.corrupt:
+        # After the checksum was taken: what a puller reads no longer matches what was promised.
+        b = w[args.corrupt].reshape(-1).view(torch.uint8)
+        b[b.numel() // 2] ^= 0x5A
+    write_atomic(d / f"manifest-{args.rank}.bin", encode_manifest(man))
+    if args.exit_early:
+        os._exit(0)  # a source that vanishes without goodbye
+
+    done: list[dict] = []
+    deadline = time.monotonic() + args.max_s
+    while not (d / "stop").exists() and time.monotonic() < deadline:
+        new = store.pulls_done()
+        if new:
+            done.extend({"rank": m.rank, "tensors": m.tensors, "bytes": m.bytes, "ok": m.ok} for m in new)
+            write_atomic(d / f"done-{args.rank}.json", json.dumps(done).encode())
+        time.sleep(0.02)
+    store.close()
+    store.close()  # idempotent
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
