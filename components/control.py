@@ -59,6 +59,10 @@ class ExportWeights(msgspec.Struct, tag="export_weights"):
     names: list[str] | None = None
 
 
+class EndExport(msgspec.Struct, tag="end_export"):
+    """The pulls from this rank are over: stop driving NIXL progress for readers."""
+
+
 class PullWeights(msgspec.Struct, tag="pull_weights"):
     sources: dict[int, WeightManifest]
     items: list[PullItem]
@@ -87,7 +91,7 @@ class Exit(msgspec.Struct, tag="exit"):
 
 
 ControlRequest = Union[Describe, Connect, Disconnect, Pause, Configure, Resume, SetRoutable, LoadExperts,
-                       ExportWeights, PullWeights, Warmup, Drain, Exit]
+                       ExportWeights, EndExport, PullWeights, Warmup, Drain, Exit]
 
 
 class RankStatus(msgspec.Struct):

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from components.control import (
-    Configure, Connect, Disconnect, Drain, Exit, ExportWeights, Pause, PullWeights, Resume, SetRoutable, Warmup,
+    Configure, Connect, Disconnect, Drain, EndExport, Exit, ExportWeights, Pause, PullWeights, Resume, SetRoutable,
+    Warmup,
 )
 from components.engine.expert_map import Placement, changed_slots, grow, interim, rebalance, shrink
 from components.engine.weight_transfer import PullItem, spread
@@ -184,9 +185,9 @@ class Operation:
                     dst_name=expert_slot_name(layer, slot % target.slots_per_rank, part)))
         if dense_to:
             probe = await self.call([sources[0]], lambda r: ExportWeights(names=None))
-            dense = [t.name for t in probe[0].manifest.tensors if not t.name.startswith("experts.")]
+            sizes = {t.name: t.nbytes for t in probe[0].manifest.tensors if not t.name.startswith("experts.")}
             for dst in dense_to:
-                items.setdefault(dst, []).extend(spread(dense, list(sources)))
+                items.setdefault(dst, []).extend(spread(list(sizes), list(sources), sizes))
         if not items:
             return
         need: dict[int, set[str]] = {}
@@ -195,8 +196,13 @@ class Operation:
                 need.setdefault(it.src_rank, set()).add(it.src_name)
         replies = await self.call(sorted(need), lambda r: ExportWeights(names=sorted(need[r])))
         manifests = {r: rep.manifest for r, rep in zip(sorted(need), replies)}
-        done = await self.call(sorted(items), lambda r: PullWeights(
-            sources={s: manifests[s] for s in {it.src_rank for it in items[r]}}, items=items[r], op=self.id))
+        try:
+            done = await self.call(sorted(items), lambda r: PullWeights(
+                sources={s: manifests[s] for s in {it.src_rank for it in items[r]}}, items=items[r], op=self.id))
+        finally:
+            exporters = set(need) | ({sources[0]} if dense_to else set())
+            await asyncio.gather(*(self.call([r], lambda r: EndExport()) for r in sorted(exporters)),
+                                 return_exceptions=True)
         self.record.pull_bytes += sum(rep.pull.bytes for rep in done)
 
     async def commit(self, active: list[int], placement: Placement, warm: list[int] = (),

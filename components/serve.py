@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> None:
             raise UsageError(f"two processes share a label: {labels}")
         if not plan:
             raise UsageError("the graph starts no process")
-    except UsageError as e:
+    except (UsageError, ValueError) as e:  # a component refusing its config (Component.processes)
         if own_dir:
             shutil.rmtree(discovery_dir, ignore_errors=True)
         _usage_exit(serve_p, str(e))

@@ -22,7 +22,7 @@ import msgspec
 
 from components.component import Component, GraphContext, ProcessSpec, component_config, load_context
 from components.control import (
-    Configure, Connect, ControlReply, Describe, Disconnect, Drain, Exit, ExportWeights, LoadExperts, Pause,
+    Configure, Connect, ControlReply, Describe, Disconnect, Drain, EndExport, Exit, ExportWeights, LoadExperts, Pause,
     PullWeights, RankStatus, Resume, SetRoutable, Warmup, decode_request, encode,
 )
 from components.lifecycle import Lifecycle, RankState
@@ -275,6 +275,8 @@ class RankServer:
         elif isinstance(msg, ExportWeights):
             manifest = await on_loop(lambda: self.store.manifest(msg.names))
             return ControlReply(ok=True, manifest=manifest)
+        elif isinstance(msg, EndExport):
+            self.store.stop_serving()
         elif isinstance(msg, PullWeights):
             return await self._pull(msg)
         elif isinstance(msg, Warmup):

@@ -164,3 +164,26 @@ def test_metrics_report_operations(server):
     assert 'elastic_scale_operations_total{kind="up",result="done"}' in text
     assert 'elastic_scale_operations_total{kind="up",result="aborted"}' in text
     assert "elastic_scale_last_downtime_seconds" in text
+
+
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_comparison_modes_scale_correctly(server, reference, mode):
+    with Traffic(server, clients=2) as traffic:
+        up = scale(server, 3, mode=mode)
+        down = scale(server, 2, mode=mode)
+    assert (up["phase"], down["phase"]) == ("done", "done"), (up, down)
+    assert up["mode"] == mode and "warming" not in up["phases"]  # A and B warm up inside the pause
+    assert traffic.errors == []
+    assert all(toks == reference[p] for p, toks, _, _ in traffic.results)
+
+
+def test_leaving_rank_hands_its_requests_over(server, reference):
+    assert scale(server, 3)["phase"] == "done"
+    with Traffic(server, clients=6) as traffic:
+        time.sleep(2.0)
+        op = scale(server, 2, drain_timeout=0)
+        time.sleep(1.0)
+    assert op["phase"] == "done" and op["handed_over"] > 0, op
+    # Dynamo's migration carried the handed-over requests on with their tokens so far.
+    assert traffic.errors == []
+    assert all(toks == reference[p] for p, toks, _, _ in traffic.results)

@@ -65,6 +65,7 @@ def resolve_model_dir(configured: str) -> tuple[str, str | None]:
 
 
 async def echo(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+    log.info("rank %s: request received", os.environ.get("ECHO_RANK", "0"))
     prompt = list(request.get("token_ids") or [])
     max_tokens = (request.get("stop_conditions") or {}).get("max_tokens") or len(prompt)
     out = prompt[:max_tokens]
