@@ -128,7 +128,8 @@ class RankServer:
         self.routable = asyncio.Event()
         self.engine = None
         self.store = None
-        self.gen_ep = self.ctl_ep = None
+        self.gen_ep = self.ctl_ep = self.gen_client = None
+        self.serving: asyncio.Future | None = None  # the generate endpoint, once routable
         self.streams: dict[str, asyncio.Queue] = {}  # request id -> its output queue
         self.exit = asyncio.Event()
 
@@ -194,31 +195,43 @@ class RankServer:
 
             raise InvalidArgument(str(e)) from None
         self.streams[req.request_id] = out
-        produced, finished = 0, False
+        produced: list[int] = []
         try:
             while True:
                 o = await out.get()
                 if o is HANDOVER:
-                    # End the stream unfinished: Dynamo's migration re-sends prompt + tokens so far
-                    # to another rank.
-                    log.info("rank %d: handing over request %s after %d tokens", self.rank, req.request_id, produced)
-                    raise RuntimeError(f"rank {self.rank} is leaving; request handed over")
-                produced += len(o.token_ids)
+                    self.engine.cancel(req.request_id)
+                    log.info("rank %d: handing request %s over after %d tokens", self.rank, req.request_id,
+                             len(produced))
+                    async for chunk in self.hand_over(raw, req, produced):
+                        yield chunk
+                    return
+                produced += o.token_ids
                 chunk: dict[str, Any] = {"token_ids": o.token_ids}
                 if o.finish_reason:
-                    finished = True
                     chunk["finish_reason"] = o.finish_reason
-                    chunk["completion_usage"] = {
-                        "prompt_tokens": len(req.prompt), "completion_tokens": produced,
-                        "total_tokens": len(req.prompt) + produced,
-                    }
+                    chunk["completion_usage"] = usage(len(req.prompt), len(produced))
                 yield chunk
-                if finished:
+                if o.finish_reason:
                     return
         finally:
             self.streams.pop(req.request_id, None)
-            if not finished:
-                self.engine.cancel(req.request_id)
+            self.engine.cancel(req.request_id)  # a client gone mid-stream; a no-op once finished
+
+    async def hand_over(self, raw: dict[str, Any], req, produced: list[int]) -> AsyncIterator[dict[str, Any]]:
+        """Continue a request on a routable rank: its prompt plus the tokens so far go there, and its
+        stream comes back through this one, so the client never notices. This rank is out of
+        routing by now, so the round robin picks a remaining rank."""
+        stop = dict(raw.get("stop_conditions") or {})
+        stop["max_tokens"] = req.max_tokens - len(produced)
+        cont = {**raw, "token_ids": list(req.prompt) + produced, "stop_conditions": stop}
+        n = len(produced)
+        async for item in await self.gen_client.round_robin(cont):
+            chunk = dict(item.data())
+            n += len(chunk.get("token_ids") or [])
+            if chunk.get("finish_reason"):
+                chunk["completion_usage"] = usage(len(req.prompt), n)
+            yield chunk
 
     async def control(self, raw: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -262,7 +275,12 @@ class RankServer:
             elif self.rank not in e.comm.active and self.life.state is RankState.LEAVING:
                 log.info("rank %d: out of the active set at epoch %d", self.rank, e.epoch)
         elif isinstance(msg, SetRoutable):
-            if msg.routable:
+            if msg.routable and self.serving is None:
+                # Generate is first served here, not at start: until its group committed, a rank
+                # must not appear in routing even for a moment.
+                self.serving = asyncio.ensure_future(self.gen_ep.serve_endpoint(self.generate))
+                self.routable.set()
+            elif msg.routable:
                 await self.gen_ep.register_endpoint_instance()
                 self.routable.set()
             else:
@@ -287,6 +305,10 @@ class RankServer:
         elif isinstance(msg, Drain):
             return await self._drain(msg)
         elif isinstance(msg, Exit):
+            # Requests handed over still stream through this rank: let them finish first.
+            deadline = time.monotonic() + 300
+            while self.streams and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             self.life.transition(RankState.EXITED, "asked to exit", msg.op)
             self.exit.set()
         return None
@@ -321,7 +343,11 @@ class RankServer:
         return ControlReply(ok=True, handed_over=len(handed))
 
 
-HANDOVER = object()  # queued into a stream to end it unfinished
+HANDOVER = object()  # queued into a stream to hand its request over to another rank
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def serve(rank: int, join: bool) -> None:
@@ -343,13 +369,11 @@ async def serve(rank: int, join: bool) -> None:
                          server.model_dir, server.model_name, worker_type=WorkerType.Aggregated)
     log.info("rank %d: serving %r (instance %x), waiting for the router", rank, server.model_name,
              server.gen_ep.connection_id())
-    gen = asyncio.ensure_future(server.gen_ep.serve_endpoint(server.generate))
-    await asyncio.sleep(0.2)
-    await server.gen_ep.unregister_endpoint_instance()
+    server.gen_client = await server.gen_ep.client()
     ctl = asyncio.ensure_future(server.ctl_ep.serve_endpoint(server.control))
     exit_wait = asyncio.ensure_future(server.exit.wait())
     try:
-        await asyncio.wait({gen, ctl, exit_wait}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({ctl, exit_wait}, return_when=asyncio.FIRST_COMPLETED)
         if server.exit.is_set():
             await asyncio.sleep(0.2)  # let the reply to Exit go out
             rt.shutdown()
