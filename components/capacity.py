@@ -14,6 +14,8 @@ import subprocess
 import sys
 from typing import Protocol
 
+import msgspec
+
 from components.component import COMPONENT_ENV, GRAPH_ENV, GraphContext, encode_context
 from components.worker import FAULT_ENV, Worker
 
@@ -21,8 +23,13 @@ log = logging.getLogger("components.capacity")
 
 
 class CapacityProvider(Protocol):
-    async def acquire(self, ranks: list[int], op: str, fault: str = "") -> None:
-        """Start a joining worker process for each rank (it registers itself with Dynamo)."""
+    async def acquire(self, ranks: list[int], op: str, fault: str = "") -> dict[int, str]:
+        """Bring up a joining worker for each rank: restore a parked one, or start a process
+        (from a matching baked snapshot, else cold). Returns rank -> "parked" | "snapshot" | "cold"."""
+
+    async def park(self, rank: int, pid: int, op: str) -> None:
+        """Keep a rank that left the group for the next scale-up (its process stays, holding no
+        weights; on a GPU its CUDA state is checkpointed, so it holds no GPU memory either)."""
 
     def alive(self, rank: int) -> bool | None:
         """False once a rank this provider started has died; None for ranks it did not start."""
@@ -35,16 +42,59 @@ class CapacityProvider(Protocol):
 
 
 class LocalProvider:
-    """Joining ranks as processes on this host, output prefixed like `dynamo serve` does."""
+    """Joining ranks as processes on this host, output prefixed like `dynamo serve` does; ranks
+    that left are parked and restored first."""
 
     def __init__(self, ctx: GraphContext):
         self.ctx = ctx
+        self.wcfg = msgspec.convert(ctx.configs.get("Worker", {}), Worker.Config)
         self.procs: dict[int, subprocess.Popen] = {}
+        self.parked: dict[int, tuple[int, bool]] = {}  # rank -> (pid, CUDA state checkpointed)
         self._pumps: dict[int, asyncio.Task] = {}
 
-    async def acquire(self, ranks: list[int], op: str, fault: str = "") -> None:
+    async def park(self, rank: int, pid: int, op: str) -> None:
+        from snapshot import cuda_checkpoint
+
+        checkpointed = False
+        if self.wcfg.device == "cuda" and cuda_checkpoint.available()[0]:
+            t = await asyncio.to_thread(cuda_checkpoint.checkpoint, pid)
+            checkpointed = True
+            log.info("[op %s] Worker.%d parked, CUDA state checkpointed in %.3f s", op, rank, sum(t.values()))
+        else:
+            log.info("[op %s] Worker.%d parked (a warm process)", op, rank)
+        self.parked[rank] = (pid, checkpointed)
+
+    def snapshot_for(self, rank: int, op: str) -> str:
+        """A baked snapshot that fits this deployment, or "" (each refusal is logged with its reason)."""
+        if not self.wcfg.snapshot_root:
+            return ""
+        from snapshot.bake import target_for
+        from snapshot.store import find_compatible
+        from components.worker import model_source, rank_config
+
+        target = target_for(model_source(self.wcfg)[0], rank_config(self.wcfg, rank))
+        found, refused = find_compatible(target, self.wcfg.snapshot_root)
+        for why in refused.values():
+            log.warning("[op %s] Worker.%d: %s", op, rank, why)
+        return str(found[0].path) if found else ""
+
+    async def acquire(self, ranks: list[int], op: str, fault: str = "") -> dict[int, str]:
+        how: dict[int, str] = {}
         for rank in ranks:
-            spec = Worker.rank_process(rank, join=True)
+            if rank in self.parked and not fault:
+                pid, checkpointed = self.parked.pop(rank)
+                if checkpointed:
+                    from snapshot import cuda_checkpoint
+
+                    t = await asyncio.to_thread(cuda_checkpoint.restore, pid)
+                    log.info("[op %s] Worker.%d CUDA state restored in %.3f s", op, rank, sum(t.values()))
+                how[rank] = "parked"
+                continue
+            if rank in self.parked:  # a fault test wants a fresh process: retire the parked one
+                await self.release(rank, op, graceful=False)
+            snap = self.snapshot_for(rank, op)
+            how[rank] = "snapshot" if snap else "cold"
+            spec = Worker.rank_process(rank, join=True, snapshot=snap)
             env = {**os.environ, **spec.env, GRAPH_ENV: encode_context(self.ctx), COMPONENT_ENV: "Worker",
                    "PYTHONUNBUFFERED": "1"}
             env.pop(FAULT_ENV, None)
@@ -54,7 +104,9 @@ class LocalProvider:
                                     start_new_session=True)
             self.procs[rank] = proc
             self._pumps[rank] = asyncio.create_task(self._pump(spec.label, proc))
-            log.info("[op %s] started %s (pid %d)%s", op, spec.label, proc.pid, f" with fault {fault}" if fault else "")
+            log.info("[op %s] started %s (pid %d, %s)%s", op, spec.label, proc.pid, how[rank],
+                     f" with fault {fault}" if fault else "")
+        return how
 
     async def _pump(self, label: str, proc: subprocess.Popen) -> None:
         loop = asyncio.get_running_loop()
@@ -70,8 +122,11 @@ class LocalProvider:
         return None if proc is None else proc.poll() is None
 
     async def release(self, rank: int, op: str, graceful: bool = True) -> None:
+        pid, _ = self.parked.pop(rank, (None, False))
         proc = self.procs.pop(rank, None)
         if proc is None:
+            if pid is not None and not graceful:  # a parked rank that `dynamo serve` started
+                os.kill(pid, signal.SIGTERM)
             return
         steps = [(signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)]
         for sig, wait in ([(None, 10.0)] if graceful else []) + steps:

@@ -90,12 +90,26 @@ class Exit(msgspec.Struct, tag="exit"):
     op: str = "-"
 
 
+class Park(msgspec.Struct, tag="park"):
+    """Leave the group but stay alive and registered, holding no weights: the next scale-up
+    restores this process instead of starting one (the parked snapshot tier)."""
+
+    op: str = "-"
+
+
+class Restore(msgspec.Struct, tag="restore"):
+    """A parked rank comes back: map its weight memory again (contents come from peers next)."""
+
+    op: str = "-"
+
+
 ControlRequest = Union[Describe, Connect, Disconnect, Pause, Configure, Resume, SetRoutable, LoadExperts,
-                       ExportWeights, EndExport, PullWeights, Warmup, Drain, Exit]
+                       ExportWeights, EndExport, PullWeights, Warmup, Drain, Exit, Park, Restore]
 
 
 class RankStatus(msgspec.Struct):
     rank: int
+    pid: int
     instance_id: int
     metadata: bytes
     model_identity: str

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import logging
 import signal
 import time
@@ -43,6 +44,10 @@ class Router(Component):
         commit_timeout_s: float = 10.0  # a rank that misses it rolls the commit back
         drain_timeout_s: float = 30.0  # leaving ranks' requests still running after this are handed over
         rebalance: bool = True  # async EPLB after each scale operation
+        park_leaving: bool = True  # keep leaving ranks' processes parked for the next scale-up
+        # Where joining ranks come from: "local" processes on this host, or "kubernetes" pods of the
+        # worker StatefulSet ($ELASTIC_EP_CAPACITY overrides, as the manifests in deploy/ do).
+        capacity: str = "local"
         allow_fault_injection: bool = False  # lets POST /scale inject faults into joiners (tests only)
 
     module: ClassVar[str] = "components.router"
@@ -345,6 +350,16 @@ class RouterService:
         return app
 
 
+def make_provider(kind: str, ctx):
+    if kind == "local":
+        return LocalProvider(ctx)
+    if kind == "kubernetes":
+        from components.capacity_k8s import KubernetesProvider
+
+        return KubernetesProvider()
+    raise ValueError(f"Router.capacity must be 'local' or 'kubernetes', not {kind!r}")
+
+
 async def serve() -> None:
     from components.runtime import make_runtime
 
@@ -357,7 +372,7 @@ async def serve() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     svc = RouterService(rt, ctx, cfg, wcfg)
-    provider = LocalProvider(ctx)
+    provider = make_provider(os.environ.get("ELASTIC_EP_CAPACITY") or cfg.capacity, ctx)
     svc.scaler = Scaler(svc, provider)
     runner = web.AppRunner(svc.app())
     await runner.setup()

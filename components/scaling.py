@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from components.control import (
-    Configure, Connect, Disconnect, Drain, EndExport, Exit, ExportWeights, Pause, PullWeights, Resume, SetRoutable,
-    Warmup,
+    Configure, Connect, Disconnect, Drain, EndExport, Exit, ExportWeights, Park, Pause, PullWeights, Restore, Resume,
+    SetRoutable, Warmup,
 )
 from components.engine.expert_map import Placement, changed_slots, grow, interim, rebalance, shrink
 from components.engine.weight_transfer import PullItem, spread
@@ -85,12 +85,14 @@ class OpRecord(msgspec.Struct):
     joiners: list[int]
     leaving: list[int]
     phases: dict[str, float]  # seconds spent per phase
-    downtime_s: float | None = None  # the scale commit: first pause request to last resume reply
+    downtime_s: float | None = None  # the scale's pauses: first pause request to last resume reply, summed
     committed_at: float | None = None  # wall-clock time (unix) of the last resume reply
     rebalance_downtime_s: float | None = None  # the short commits of the follow-up EPLB
     total_s: float | None = None
     handed_over: int = 0
     pull_bytes: int = 0
+    joined_from: dict[int, str] = {}  # joiner -> "parked" | "snapshot" | "cold"
+    parked: list[int] = []  # leaving ranks kept for the next scale-up
     error: str = ""
 
 
@@ -259,8 +261,13 @@ class Operation:
             self.transition(Phase.PAUSING, "mode A stops serving for the whole operation")
             await self.pause_all()
         self.transition(Phase.STARTING, f"joiners {self.joiners}")
-        await self.scaler.provider.acquire(self.joiners, self.id, req.fault)
+        self.record.joined_from = await self.scaler.provider.acquire(self.joiners, self.id, req.fault)
+        for r, how in self.record.joined_from.items():
+            if how != "parked":  # a new process: whatever instance this rank had is gone
+                svc.forget(r)
         await svc.discover(self.joiners, self.scaler.provider, self.svc.cfg.prepare_timeout_s)
+        restored = [r for r, how in self.record.joined_from.items() if how == "parked"]
+        await self.call(restored, lambda r: Restore(op=self.id))
         self.transition(Phase.LOADING, "dense weights spread over serving ranks, experts per the target map")
         await self.pull_experts(current, target, list(svc.active), dense_to=self.joiners)
         if req.mode == "C":
@@ -281,21 +288,30 @@ class Operation:
         remaining = [r for r in svc.active if r not in self.leaving]
         current = svc.placement
         target = shrink(current, self.leaving, svc.num_experts)
+        if req.mode == "A":
+            # Blocking: serving stops first; the leaving ranks' requests move at once and wait.
+            await self.pause_all()
         self.transition(Phase.DRAINING, f"ranks {self.leaving} out of routing")
         await self.call(self.leaving, lambda r: SetRoutable(routable=False))
-        drained = asyncio.ensure_future(self.call(self.leaving, lambda r: Drain(timeout_s=req.drain_timeout_s, op=self.id),
-                                                  req.drain_timeout_s + svc.cfg.prepare_timeout_s))
-        if req.mode == "A":
-            await drained
-            await self.pause_all()
+        drain_s = 0.0 if req.mode == "A" else req.drain_timeout_s
+        drained = asyncio.ensure_future(self.call(self.leaving, lambda r: Drain(timeout_s=drain_s, op=self.id),
+                                                  drain_s + svc.cfg.prepare_timeout_s))
         self.transition(Phase.MIGRATING, "experts of leaving ranks to remaining ranks")
-        await self.migrate(current, target, sources=svc.active)
+        interim_downtime = await self.migrate(current, target, sources=svc.active)
         self.record.handed_over = sum(rep.handed_over for rep in await drained)
         self.transition(Phase.COMMITTING)
-        self.scale_committed(await self.commit(remaining, target, warm=remaining if req.mode == "B" else (),
-                                               recapture=req.mode == "B"))
-        self.transition(Phase.CLEANUP, f"ranks {self.leaving} disconnect and exit")
+        rebuild = req.mode in ("A", "B")  # re-warm and re-capture inside the pause
+        self.scale_committed(interim_downtime + await self.commit(remaining, target, warm=remaining if rebuild else (),
+                                                                  recapture=rebuild))
+        park = svc.cfg.park_leaving
+        self.transition(Phase.CLEANUP, f"ranks {self.leaving} disconnect and {'park' if park else 'exit'}")
         await self.call(remaining, lambda r: Disconnect(ranks=self.leaving))
+        if park:
+            await self.call(self.leaving, lambda r: Park(op=self.id))
+            for r in self.leaving:
+                await self.scaler.provider.park(r, svc.status[r].pid, self.id)
+            self.record.parked = list(self.leaving)
+            return
         await self.call(self.leaving, lambda r: Exit(op=self.id))
         for r in self.leaving:
             await self.scaler.provider.release(r, self.id)
@@ -309,18 +325,16 @@ class Operation:
         self.pause_t0 = time.monotonic()
         await self.call(self.svc.active, lambda r: Pause(), self.svc.cfg.commit_timeout_s)
 
-    async def migrate(self, current: Placement, target: Placement, sources) -> None:
-        """Refill the slots `target` changes while serving: first stop routing to them (a short
-        commit of the interim map, unless nothing routed changes), then pull into them."""
+    async def migrate(self, current: Placement, target: Placement, sources) -> float:
+        """Refill the slots `target` changes; returns the downtime this cost. While serving, first
+        stop routing to those slots (a short commit of the interim map, unless nothing routed
+        changes); with serving paused (mode A) they are simply overwritten."""
         mid = interim(current, target)
-        if mid.slots != current.slots:
-            pause_t0 = self.pause_t0  # a mode A pause spans this commit too
-            self.record.rebalance_downtime_s = (self.record.rebalance_downtime_s or 0.0) + await self.commit(
-                self.svc.active, mid)
-            if pause_t0:
-                await self.pause_all()
-                self.pause_t0 = pause_t0
+        downtime = 0.0
+        if mid.slots != current.slots and self.pause_t0 is None:
+            downtime = await self.commit(self.svc.active, mid)
         await self.pull_experts(mid, target, list(sources))
+        return downtime
 
     async def rebalance(self) -> None:
         """Async EPLB after the scale: replicas follow the measured per-expert load."""
@@ -330,10 +344,10 @@ class Operation:
         if target.slots == svc.placement.slots or not any(any(row) for row in load):
             return
         self.transition(Phase.MIGRATING, f"{len(changed_slots(svc.placement, target))} slots change")
-        await self.migrate(svc.placement, target, svc.active)
+        downtime = await self.migrate(svc.placement, target, svc.active)
         self.transition(Phase.COMMITTING)
-        self.record.rebalance_downtime_s = (self.record.rebalance_downtime_s or 0.0) + await self.commit(
-            svc.active, target)
+        downtime += await self.commit(svc.active, target)
+        self.record.rebalance_downtime_s = round(downtime, 6)
         svc.reset_load()
 
     async def abort(self, reason: str) -> None:

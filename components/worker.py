@@ -22,8 +22,8 @@ import msgspec
 
 from components.component import Component, GraphContext, ProcessSpec, component_config, load_context
 from components.control import (
-    Configure, Connect, ControlReply, Describe, Disconnect, Drain, EndExport, Exit, ExportWeights, LoadExperts, Pause,
-    PullWeights, RankStatus, Resume, SetRoutable, Warmup, decode_request, encode,
+    Configure, Connect, ControlReply, Describe, Disconnect, Drain, EndExport, Exit, ExportWeights, LoadExperts, Park,
+    Pause, PullWeights, RankStatus, Restore, Resume, SetRoutable, Warmup, decode_request, encode,
 )
 from components.lifecycle import Lifecycle, RankState
 
@@ -42,6 +42,9 @@ class Worker(Component):
         max_seqs: int = 16
         max_len: int = 1024
         max_batched_tokens: int = 256
+        # Baked snapshots (`snapshot-bake bake`) joiners may start from; "" = none. One that does not
+        # match this deployment, or fails its checksums, is refused and the joiner cold-starts.
+        snapshot_root: str = ""
 
     module: ClassVar[str] = "components.worker"
 
@@ -55,8 +58,9 @@ class Worker(Component):
             raise ValueError(f"Worker.device must be 'cpu' or 'cuda', not {c.device!r}")
 
     @classmethod
-    def rank_process(cls, rank: int, join: bool = False) -> ProcessSpec:
+    def rank_process(cls, rank: int, join: bool = False, snapshot: str = "") -> ProcessSpec:
         argv = [sys.executable, "-m", cls.module, "--rank", str(rank)] + (["--join"] if join else [])
+        argv += ["--snapshot", snapshot] if snapshot else []
         return ProcessSpec(label=f"Worker.{rank}", argv=argv, critical=False)
 
     @classmethod
@@ -91,6 +95,19 @@ def expert_slot_name(layer: int, slot: int, part: str) -> str:
     return f"experts.{layer}.{slot}.{part}"
 
 
+def rank_config(c: Worker.Config, rank: int):
+    """The engine configuration of rank `rank` under this worker configuration."""
+    import torch
+
+    from components.engine.rank import RankConfig
+
+    device = c.device
+    if device == "cuda":
+        device = f"cuda:{rank % max(1, torch.cuda.device_count())}"
+    return RankConfig(rank=rank, max_ranks=c.max_ranks, device=device, dtype=c.dtype, max_seqs=c.max_seqs,
+                      max_len=c.max_len, max_batched_tokens=c.max_batched_tokens, min_ranks=c.min_ranks)
+
+
 def model_source(cfg: Worker.Config) -> tuple[str, str]:
     """(checkpoint directory, served model name)."""
     if cfg.model:
@@ -121,8 +138,8 @@ def to_request(raw: dict[str, Any], max_len: int):
 
 
 class RankServer:
-    def __init__(self, rank: int, cfg: Worker.Config, ctx: GraphContext, join: bool):
-        self.rank, self.cfg, self.ctx, self.join = rank, cfg, ctx, join
+    def __init__(self, rank: int, cfg: Worker.Config, ctx: GraphContext, join: bool, snapshot: str = ""):
+        self.rank, self.cfg, self.ctx, self.join, self.snapshot = rank, cfg, ctx, join, snapshot
         self.life = Lifecycle(rank)
         self.faults = Faults.from_env()
         self.routable = asyncio.Event()
@@ -134,23 +151,15 @@ class RankServer:
         self.exit = asyncio.Event()
 
     def load(self) -> None:
-        import torch
-
-        from components.engine.rank import EngineRank, RankConfig
+        from components.engine.rank import EngineRank
 
         model_dir, self.model_name = model_source(self.cfg)
         self.model_dir = model_dir
-        device = self.cfg.device
-        if device == "cuda":
-            device = f"cuda:{self.rank % torch.cuda.device_count()}"
-        c = self.cfg
         t0 = time.perf_counter()
-        e = self.engine = EngineRank(
-            RankConfig(rank=self.rank, max_ranks=c.max_ranks, device=device, dtype=c.dtype,
-                       max_seqs=c.max_seqs, max_len=c.max_len, max_batched_tokens=c.max_batched_tokens,
-                       min_ranks=c.min_ranks),
-            model_dir, load_weights=not self.join,
-        )
+        cfg = rank_config(self.cfg, self.rank)
+        e = self.engine = EngineRank(cfg, model_dir, load_weights=not self.join)
+        if self.snapshot:
+            self.check_snapshot()
         from components.engine.weight_transfer import WeightStore
 
         tensors = dict(e.model.named_parameters())
@@ -158,7 +167,7 @@ class RankServer:
             for slot in range(e.slots_per_rank):
                 for part, buf in (("gate", moe.w_gate), ("up", moe.w_up), ("down", moe.w_down)):
                     tensors[expert_slot_name(layer, slot, part)] = buf[slot]
-        self.store = WeightStore(self.rank, tensors, device=device)
+        self.store = WeightStore(self.rank, tensors, device=cfg.device)
         # Not serving anyone until the router puts this rank into a group.
         e.comm.set_active([], 0)
         e.start()
@@ -167,10 +176,23 @@ class RankServer:
         else:
             self.life.transition(RankState.LOADED, f"cold start from {model_dir} in {time.perf_counter() - t0:.2f} s")
 
+    def check_snapshot(self) -> None:
+        """A joiner started from a baked snapshot: it must fit this deployment and be intact;
+        otherwise say why and carry on as a cold start."""
+        from snapshot.bake import target_for_engine
+        from snapshot.manifest import SnapshotError, check_compatible, verify
+
+        try:
+            m = check_compatible(verify(self.snapshot), target_for_engine(self.engine), path=self.snapshot)
+        except SnapshotError as err:
+            log.warning("rank %d: %s; cold start instead", self.rank, err)
+            return
+        self.life.transition(RankState.RESTORED, f"from {m.tier} snapshot {m.snapshot_id}")
+
     def status(self) -> RankStatus:
         e = self.engine
         return RankStatus(
-            rank=self.rank, instance_id=self.gen_ep.connection_id(), metadata=e.comm.metadata(),
+            rank=self.rank, pid=os.getpid(), instance_id=self.gen_ep.connection_id(), metadata=e.comm.metadata(),
             model_identity=e.model_config.identity(), num_experts=e.model_config.num_experts,
             num_moe_layers=len(e.model.moe_layers), slots_per_rank=e.slots_per_rank, epoch=e.epoch,
             active=list(e.comm.active), connected=list(e.comm.connected), paused=e.paused,
@@ -255,7 +277,7 @@ class RankServer:
             # Off the step loop: connecting joiners must not stall serving. The communicator
             # serialises this against a collective in flight.
             await asyncio.to_thread(e.comm.connect, msg.peers, msg.activate)
-            if self.life.state in (RankState.LOADED, RankState.WARMED) and self.join:
+            if self.life.state in (RankState.LOADED, RankState.WARMED) and self.rank not in e.comm.active:
                 self.life.transition(RankState.STAGED, f"connected to ranks {sorted(msg.peers)}, masked")
         elif isinstance(msg, Disconnect):
             await asyncio.to_thread(e.comm.disconnect, msg.ranks)
@@ -304,6 +326,11 @@ class RankServer:
             return ControlReply(ok=True, seconds=seconds)
         elif isinstance(msg, Drain):
             return await self._drain(msg)
+        elif isinstance(msg, Park):
+            await asyncio.to_thread(e.comm.disconnect, [r for r in e.comm.connected if r != self.rank])
+            self.life.transition(RankState.PARKED, "out of the group, weights dropped", msg.op)
+        elif isinstance(msg, Restore):
+            self.life.transition(RankState.RESTORED, "unparked", msg.op)
         elif isinstance(msg, Exit):
             # Requests handed over still stream through this rank: let them finish first.
             deadline = time.monotonic() + 300
@@ -327,7 +354,7 @@ class RankServer:
                                       f"after the pull (injected corruption)")
         log.info("[op %s] rank %d: pulled %d tensors, %.1f MB in %.3f s (%.2f GB/s) from ranks %s", msg.op,
                  self.rank, stats.tensors, stats.bytes / 1e6, stats.seconds, stats.gbps, sorted(stats.per_source))
-        if state is RankState.BOOTING:
+        if state in (RankState.BOOTING, RankState.RESTORED):
             self.life.transition(RankState.LOADED, f"weights pulled from ranks {sorted(stats.per_source)}", msg.op)
         return ControlReply(ok=True, pull=stats, seconds=stats.seconds)
 
@@ -350,14 +377,14 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def serve(rank: int, join: bool) -> None:
+async def serve(rank: int, join: bool, snapshot: str) -> None:
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
 
     from components.runtime import make_runtime
 
     ctx, _ = load_context()
     cfg = component_config(Worker.Config)
-    server = RankServer(rank, cfg, ctx, join)
+    server = RankServer(rank, cfg, ctx, join, snapshot)
     await asyncio.to_thread(server.load)
     loop = asyncio.get_running_loop()
     rt = make_runtime(loop, ctx)
@@ -388,9 +415,11 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--join", action="store_true",
                    help="join a serving group: pull weights from peers instead of reading the checkpoint")
+    p.add_argument("--snapshot", default="", metavar="DIR",
+                   help="a baked snapshot to start from (checked against this deployment first)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args.rank, args.join))
+    asyncio.run(serve(args.rank, args.join, args.snapshot))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ class RankConfig(msgspec.Struct, frozen=True):
     cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)  # decode batch sizes captured on CUDA; () = eager
     idle_wait_s: float = 0.002
     ep_timeout_s: float = 30.0
+    vmm: bool = False  # CUDA: weights, expert slots and KV in one VMM arena (release_memory/restore_memory)
 
 
 class CommFactory(Protocol):
@@ -85,6 +86,11 @@ class EngineRank:
         # One slot beyond max_seqs: the scratch slot padded graph rows write into.
         self.kv = KVCache(mc.num_layers, cfg.max_seqs + 1, cfg.max_len, mc.num_kv_heads, mc.head_dim,
                           self.dtype, self.device)
+        self.arena = None  # VmmArena holding params, expert slots and KV when cfg.vmm on CUDA
+        if cfg.vmm and self.device.type == "cuda":
+            from components.engine.vmm import place_engine_memory
+
+            self.arena = place_engine_memory(self.model, self.kv, self.device)  # before graph capture
         self.graphs = None
         sizes = [b for b in cfg.cuda_graph_sizes if b <= cfg.max_seqs]
         if self.device.type == "cuda" and sizes:
@@ -150,6 +156,23 @@ class EngineRank:
         finally:
             ep.masked_warmup = False
         return time.perf_counter() - t0
+
+    def release_memory(self) -> None:
+        """Free the physical memory of weights, expert slots and KV (addresses kept). Call only
+        while this rank is not stepping (paused or not started); the caller pauses."""
+        if self.arena is None:
+            raise RuntimeError("release_memory needs RankConfig(vmm=True) on a CUDA device")
+        torch.cuda.synchronize(self.device)
+        self.arena.release()
+
+    def restore_memory(self) -> None:
+        """Map fresh memory at the same addresses and zero the KV cache; the caller refills the
+        weights (from peers, or model.load_dense + load_experts) before the next step."""
+        if self.arena is None:
+            raise RuntimeError("restore_memory needs RankConfig(vmm=True) on a CUDA device")
+        self.arena.remap()
+        for t in self.kv.k + self.kv.v:
+            t.zero_()
 
     @property
     def expert_rows(self) -> int:

@@ -1,0 +1,283 @@
+"""CUDA virtual memory (VMM) arenas: tensors at fixed addresses whose physical memory can be
+dropped and brought back.
+
+A `VmmArena` reserves one virtual address range on a CUDA device, maps physical memory into it
+(one or a few chunks, `cuMemCreate` + `cuMemMap`) and hands out aligned tensor views of it with a
+bump allocator. Everything a captured CUDA graph reads at a fixed address (weights, expert slots,
+KV cache) can live there. `release()` unmaps and frees the physical memory but keeps the virtual
+range reserved: the views keep their `data_ptr()` (they must not be touched until `remap()`), and
+a process parked with the driver checkpoint API then holds no copy of them, which keeps the
+checkpoint small and fast (DESIGN.md, "Snapshots"). `remap()` maps fresh physical memory at the
+same addresses; its contents are undefined and the caller refills them (from peers or the
+checkpoint), after which graphs captured before the release compute correctly again.
+
+`place_engine_memory(model, kv)` moves a model's parameters, its MoE expert slot buffers and a
+KV cache into one arena; call it before any CUDA graph is captured.
+
+`cuda.bindings` is imported lazily, so this module imports anywhere; on CPU every entry point
+raises `VmmError`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Sequence
+
+import torch
+
+DEFAULT_ALIGN = 256  # bytes between views: what vectorised loads and cuBLAS like
+
+
+class VmmError(RuntimeError):
+    """A VMM arena cannot be used here, or a driver call failed (the message names the call)."""
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver as d
+    except ImportError as e:
+        raise VmmError(f"CUDA VMM needs cuda.bindings (pip install cuda-python): {e}") from None
+    return d
+
+
+def _check(d, call: str, result):
+    err = result[0] if isinstance(result, tuple) else result
+    if err != d.CUresult.CUDA_SUCCESS:
+        name = str(getattr(err, "name", err)).split(".")[-1]
+        raise VmmError(f"{call} failed: {name}")
+    if isinstance(result, tuple):
+        return result[1] if len(result) == 2 else result[1:]
+    return None
+
+
+def _cuda_device(device) -> torch.device:
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        raise VmmError(f"a VMM arena needs a CUDA device, got {str(dev)!r}")
+    if not torch.cuda.is_available():
+        raise VmmError("a VMM arena needs a CUDA device, and torch sees none")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _bytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * dtype.itemsize
+
+
+def plan_bytes(specs: Iterable[tuple[Sequence[int], torch.dtype]], align: int = DEFAULT_ALIGN) -> int:
+    """Bytes an arena needs to hand out one view per (shape, dtype), each `align`-aligned."""
+    return sum(_round_up(_bytes(shape, dtype), align) for shape, dtype in specs)
+
+
+class _Raw:
+    """A bare __cuda_array_interface__ so torch can wrap the range (torch keeps it alive)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+class VmmArena:
+    """One reserved VA range on a CUDA device with physical memory mapped into it.
+
+    `nbytes` is rounded up to the allocation granularity (2 MiB on current GPUs). Physical memory
+    is created in chunks of at most `chunk_bytes` (default: one chunk for the whole range).
+    `alloc` views must be handed out before anything that records their addresses (CUDA graphs,
+    NIXL registrations) is set up; they stay valid for the arena's life, but read or write them
+    only while `mapped`.
+    """
+
+    def __init__(self, nbytes: int, device=None, align: int = DEFAULT_ALIGN, chunk_bytes: int | None = None):
+        if nbytes <= 0:
+            raise VmmError(f"a VMM arena needs a positive size, got {nbytes}")
+        if align <= 0 or align & (align - 1):
+            raise VmmError(f"align must be a power of two, got {align}")
+        self.device = _cuda_device(device)
+        self.align = align
+        d = self._d = _driver()
+        torch.cuda.init()
+        with torch.cuda.device(self.device):
+            torch.empty(1, device=self.device)  # the primary context exists and is current
+        _check(d, "cuInit", d.cuInit(0))
+        prop = d.CUmemAllocationProp()
+        prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device.index
+        self._prop = prop
+        gran = int(_check(d, "cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity(
+            prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
+        mini = int(_check(d, "cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity(
+            prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        self.granularity = max(gran, mini)
+        self._nbytes = _round_up(int(nbytes), self.granularity)
+        chunk = self._nbytes if not chunk_bytes else _round_up(min(int(chunk_bytes), self._nbytes), self.granularity)
+        self._chunks = [(off, min(chunk, self._nbytes - off)) for off in range(0, self._nbytes, chunk)]
+        self._va = _check(d, "cuMemAddressReserve", d.cuMemAddressReserve(self._nbytes, self.granularity, 0, 0))
+        self.ptr = int(self._va)
+        self._handles: list = []
+        self._offset = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        try:
+            self._map()
+        except BaseException:
+            self._unmap(sync=False)
+            d.cuMemAddressFree(self._va, self._nbytes)
+            raise
+        self._flat = torch.as_tensor(_Raw(self.ptr, self._nbytes), device=self.device)
+        if self._flat.data_ptr() != self.ptr:
+            raise VmmError("torch did not wrap the arena at its address")
+
+    # ---- physical memory -------------------------------------------------------------------
+    def _map(self) -> None:
+        d = self._d
+        torch.cuda.synchronize(self.device)  # the primary context is current on this thread too
+        acc = d.CUmemAccessDesc()
+        acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = self.device.index
+        acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        for off, size in self._chunks:
+            h = _check(d, "cuMemCreate", d.cuMemCreate(size, self._prop, 0))
+            try:
+                _check(d, "cuMemMap", d.cuMemMap(d.CUdeviceptr(self.ptr + off), size, 0, h, 0))
+            except VmmError:
+                d.cuMemRelease(h)
+                raise
+            self._handles.append((off, size, h))
+            _check(d, "cuMemSetAccess", d.cuMemSetAccess(d.CUdeviceptr(self.ptr + off), size, [acc], 1))
+
+    def _unmap(self, sync: bool = True) -> None:
+        d = self._d
+        if sync and self._handles:
+            torch.cuda.synchronize(self.device)
+        errors = []
+        while self._handles:
+            off, size, h = self._handles.pop()
+            for call, res in (("cuMemUnmap", d.cuMemUnmap(d.CUdeviceptr(self.ptr + off), size)),
+                              ("cuMemRelease", d.cuMemRelease(h))):
+                try:
+                    _check(d, call, res)
+                except VmmError as e:
+                    errors.append(str(e))
+        if errors:
+            raise VmmError("; ".join(errors))
+
+    @property
+    def mapped(self) -> bool:
+        """Physical memory is mapped: the views may be read and written."""
+        return bool(self._handles)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the reserved range (and of the physical memory while mapped)."""
+        return self._nbytes
+
+    @property
+    def used(self) -> int:
+        """Bytes handed out so far (alignment padding included)."""
+        return self._offset
+
+    def release(self) -> None:
+        """Synchronize the device, then unmap and free the physical memory; the VA stays reserved
+        and every view keeps its address. No-op when already released."""
+        self._check_open()
+        with self._lock:
+            self._unmap(sync=True)
+
+    def remap(self) -> None:
+        """Map fresh physical memory at the same addresses (contents undefined: refill them).
+        No-op when already mapped."""
+        self._check_open()
+        with self._lock:
+            if self._handles:
+                return
+            try:
+                self._map()
+            except BaseException:
+                self._unmap(sync=False)
+                raise
+
+    def close(self) -> None:
+        """Free the physical memory and the VA range. Views must not be used afterwards."""
+        if self._closed:
+            return
+        with self._lock:
+            self._unmap(sync=True)
+            self._flat = None
+            _check(self._d, "cuMemAddressFree", self._d.cuMemAddressFree(self._va, self._nbytes))
+            self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise VmmError("the VMM arena is closed")
+
+    # ---- views -----------------------------------------------------------------------------
+    def alloc(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous `shape` x `dtype` view at the next aligned offset (contents undefined)."""
+        self._check_open()
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)))
+        n = _bytes(shape, dtype)
+        with self._lock:
+            off = self._offset
+            if off + n > self._nbytes:
+                raise VmmError(f"VMM arena full: {n} bytes asked, {self._nbytes - off} of {self._nbytes} left")
+            self._offset = _round_up(off + n, self.align)
+        flat = self._flat[off : off + n]
+        return flat.view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype, device=self.device)
+
+    def alloc_like(self, t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """A view shaped like `t`, filled with its values when `copy` (the arena must be mapped)."""
+        out = self.alloc(t.shape, t.dtype)
+        if copy:
+            out.copy_(t)
+        return out
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        p = t.data_ptr()
+        return t.device == self.device and self.ptr <= p < self.ptr + self._nbytes
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("mapped" if self.mapped else "released")
+        return (f"VmmArena({self.device}, {self._nbytes / 2**20:.1f} MiB reserved at {self.ptr:#x}, "
+                f"{self._offset / 2**20:.1f} MiB used, {len(self._chunks)} chunk(s), {state})")
+
+
+EXPERT_BUFFERS = ("w_gate", "w_up", "w_down")
+
+
+def engine_tensors(model, kv) -> list[torch.Tensor]:
+    """What `place_engine_memory` moves: dense parameters (tied ones once), expert slot buffers,
+    KV cache."""
+    out = [p for _, p in model.named_parameters()]
+    for _, moe in model.moe_layers:
+        out += [getattr(moe, n) for n in EXPERT_BUFFERS]
+    return out + list(kv.k) + list(kv.v)
+
+
+def place_engine_memory(model, kv, device=None, chunk_bytes: int | None = None) -> VmmArena:
+    """Move every dense parameter (`param.data`, so tied weights stay tied), every MoE expert
+    slot buffer (re-registered under the same name) and the KV cache (k/v lists) of `model`/`kv`
+    into one new arena, keeping their values (KV zeroed). Call before capturing CUDA graphs."""
+    dev = _cuda_device(device if device is not None else model.lm_head.weight.device)
+    arena = VmmArena(plan_bytes((t.shape, t.dtype) for t in engine_tensors(model, kv)), dev,
+                     chunk_bytes=chunk_bytes)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.data = arena.alloc_like(p.data)
+        for _, moe in model.moe_layers:
+            for n in EXPERT_BUFFERS:
+                moe.register_buffer(n, arena.alloc_like(getattr(moe, n)), persistent=False)
+        for lst in (kv.k, kv.v):  # the same list objects: whoever holds kv.k sees the views
+            for i, t in enumerate(lst):
+                lst[i] = arena.alloc(t.shape, t.dtype).zero_()
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()  # the old copies go back to the driver, not to torch's cache
+    return arena

@@ -1,0 +1,290 @@
+"""snapshot-bake: bake, list, inspect, verify and remove worker snapshots; show the tiers possible here.
+
+Exit codes: 0 success; 1 `verify` found a damaged snapshot; 2 bad input (a one-line message, no
+traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+PROG = "snapshot-bake"
+
+
+class UsageError(Exception):
+    pass
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _sizes(s: str) -> tuple[int, ...]:
+    if s.strip() in ("", "none"):
+        return ()
+    try:
+        return tuple(sorted({_positive(x) for x in s.split(",")}))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"batch sizes as a comma-separated list: {e}") from None
+
+
+# ---- commands -----------------------------------------------------------------------------------
+
+def cmd_bake(a) -> int:
+    from snapshot.manifest import SnapshotError, check_destination
+
+    # Cheap checks first: no torch import for a mistyped path.
+    if a.model and not Path(a.model).exists():
+        raise UsageError(f"{Path(a.model).absolute()}: no such directory")
+    if a.out:
+        try:
+            check_destination(a.out, a.force)
+        except SnapshotError as e:
+            raise UsageError(str(e)) from None
+    if a.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA GPU is available on this machine")
+    elif a.device != "cpu":
+        raise UsageError(f"--device must be cpu or cuda, not {a.device!r}")
+    if not 1 <= a.min_ranks <= a.max_ranks:
+        raise UsageError(f"--min-ranks ({a.min_ranks}) must be in 1..--max-ranks ({a.max_ranks})")
+    from components.engine.checkpoint import CheckpointError
+    from snapshot.bake import bake
+
+    try:
+        path, m = bake(a.out, a.model or None, device=a.device, dtype=a.dtype, max_ranks=a.max_ranks,
+                       min_ranks=a.min_ranks, max_seqs=a.max_seqs, max_len=a.max_len,
+                       max_batched_tokens=a.max_batched_tokens, redundant_experts=a.redundant_experts,
+                       cuda_graph_sizes=a.cuda_graph_sizes, model_name=a.name, force=a.force,
+                       progress=not a.quiet, root=a.root)
+    except (CheckpointError, SnapshotError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    from snapshot.manifest import snapshot_size
+
+    print(f"baked {path}")
+    print(f"  id {m.snapshot_id}, tier {m.tier}, model {m.model_name} ({m.model_identity[:12]}), "
+          f"device {m.device_type}, warmup {m.warmup_seconds:.3f} s, {len(m.files) + 1} files, "
+          f"{_human(snapshot_size(path))}")
+    return 0
+
+
+def cmd_list(a) -> int:
+    from snapshot.bake import default_root
+    from snapshot.store import list_snapshots
+
+    root = Path(a.root) if a.root else default_root()
+    infos = list_snapshots(root)
+    if not infos:
+        print(f"no snapshots under {root}")
+        return 0
+    rows = [("ID", "TIER", "MODEL", "DEVICE", "CREATED", "SIZE", "PATH")]
+    for i in infos:
+        m = i.manifest
+        if m is None:
+            rows.append(("?", "?", "(invalid manifest)", "?", "?", _human(i.size_bytes), i.path))
+        else:
+            rows.append((m.snapshot_id, m.tier, m.model_name, m.device_type, m.created, _human(i.size_bytes), i.path))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1])
+    return 0
+
+
+def _dir(a):
+    from snapshot.store import resolve
+
+    return resolve(a.dir, a.root)
+
+
+def cmd_inspect(a) -> int:
+    import msgspec
+
+    from snapshot.manifest import SnapshotCorrupt, encode_manifest, load_manifest
+
+    d = _dir(a)
+    try:
+        m = load_manifest(d)
+    except SnapshotCorrupt as e:
+        raise UsageError(str(e)) from None
+    if a.json:
+        sys.stdout.write(encode_manifest(m).decode())
+        return 0
+    print(f"snapshot {d.absolute()}")
+    fields = msgspec.structs.asdict(m)
+    files = fields.pop("files")
+    w = max(map(len, fields))
+    for k, v in fields.items():
+        if isinstance(v, list):
+            v = ", ".join(map(str, v)) or "(none)"
+        elif v == "":
+            v = "(none)"
+        print(f"  {k.ljust(w)}  {v}")
+    print(f"  {'files'.ljust(w)}  {len(files)} (+ manifest.json)")
+    for name, digest in files.items():
+        print(f"    {digest[:16]}  {name}")
+    return 0
+
+
+def cmd_verify(a) -> int:
+    from snapshot.manifest import SnapshotCorrupt, verify
+
+    d = _dir(a)
+    try:
+        m = verify(d)
+    except SnapshotCorrupt as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    print(f"ok: {d} ({m.snapshot_id}, {len(m.files)} files checked)")
+    return 0
+
+
+def cmd_rm(a) -> int:
+    from snapshot.manifest import SnapshotError
+    from snapshot.store import remove_snapshot
+
+    d = _dir(a)
+    try:
+        m = remove_snapshot(d)
+    except SnapshotError as e:
+        raise UsageError(str(e)) from None
+    print(f"removed {d} ({m.snapshot_id})")
+    return 0
+
+
+def tier_lines() -> list[tuple[str, bool, str]]:
+    from snapshot import cuda_checkpoint
+    from snapshot.criu import criu_status
+
+    out = [("artifacts", True, "always: manifest, engine config, warmup record and model config on disk")]
+    ok, why = cuda_checkpoint.available()
+    if ok:
+        out.append(("parked", True, f"GPU: a parked process, its CUDA state checkpointed: {why}"))
+    else:
+        out.append(("parked", True, "CPU only: a warm parked process (no GPU state to checkpoint); "
+                                    f"the GPU parked tier is unavailable: {why}"))
+    ok, why = criu_status()
+    out.append(("criu", ok, why if ok else f"unavailable: {why}"))
+    return out
+
+
+def cmd_tiers(a) -> int:
+    for name, ok, why in tier_lines():
+        print(f"{name:<10} {'yes' if ok else 'no':<4} {why}")
+    return 0
+
+
+# ---- parser -------------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    from snapshot.bake import DEFAULTS
+
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Bake and manage worker snapshots (initialised engine state without "
+        "weights) that joining ranks restore from instead of cold-starting.",
+        epilog="Snapshots live under $ELASTIC_EP_SNAPSHOTS (default ~/.cache/elastic-ep/snapshots). "
+               "Exit codes: 0 ok, 1 verify failed, 2 bad input.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
+    root_help = "the snapshot store (default $ELASTIC_EP_SNAPSHOTS or ~/.cache/elastic-ep/snapshots)"
+
+    b = sub.add_parser(
+        "bake", help="bake a snapshot (artifacts tier) of a worker rank",
+        description="Build one worker rank without its weights, run its masked warmup (on CUDA: "
+        "capture and replay the decode graphs), and write the artifacts tier: manifest.json, "
+        "engine.json (the RankConfig), warmup.json (timings, graph sizes) and the model's "
+        "config.json. Weights are never stored; a joiner pulls them from its peers. The options "
+        "must match the deployment (Worker config) that will restore it; defaults are the Worker's.")
+    b.add_argument("--out", metavar="DIR", help="snapshot directory to create (default: <root>/<snapshot id>)")
+    b.add_argument("--root", metavar="DIR", help=root_help + "; used when --out is not given")
+    b.add_argument("--model", metavar="DIR", default="",
+                   help="Hugging Face checkpoint directory (default: the built-in model)")
+    b.add_argument("--name", default="", help="model name recorded (default: the directory's name)")
+    b.add_argument("--device", default=DEFAULTS["device"], help="cpu or cuda (default: %(default)s)")
+    b.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["", "float32", "bfloat16", "float16"],
+                   help="compute dtype (default: the checkpoint's)")
+    b.add_argument("--max-ranks", type=_positive, default=DEFAULTS["max_ranks"],
+                   help="most ranks the deployment can grow to (default: %(default)s)")
+    b.add_argument("--min-ranks", type=_positive, default=DEFAULTS["min_ranks"],
+                   help="fewest ranks it can shrink to; sizes the expert slots (default: %(default)s)")
+    b.add_argument("--max-seqs", type=_positive, default=DEFAULTS["max_seqs"], help="default: %(default)s")
+    b.add_argument("--max-len", type=_positive, default=DEFAULTS["max_len"], help="default: %(default)s")
+    b.add_argument("--max-batched-tokens", type=_positive, default=DEFAULTS["max_batched_tokens"],
+                   help="default: %(default)s")
+    b.add_argument("--redundant-experts", type=int, default=0, help="default: %(default)s")
+    b.add_argument("--cuda-graph-sizes", type=_sizes, default=None, metavar="B,B,...",
+                   help="decode batch sizes captured on CUDA (default: the engine's)")
+    b.add_argument("--force", action="store_true", help="replace an existing snapshot at --out")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    b.set_defaults(fn=cmd_bake)
+
+    s = sub.add_parser("list", help="list the snapshots in the store",
+                       description="List the snapshots under the store root: id, tier, model, device, "
+                       "created, size and path, newest first.")
+    s.add_argument("--root", metavar="DIR", help=root_help)
+    s.set_defaults(fn=cmd_list)
+
+    for name, fn, hlp, desc in [
+        ("inspect", cmd_inspect, "show a snapshot's manifest",
+         "Print a snapshot's manifest: model identity, parallel config, device, driver, graph "
+         "shapes, warmup time and file checksums."),
+        ("verify", cmd_verify, "check a snapshot's file checksums",
+         "Recompute every file's sha256 against the manifest. Prints 'ok' and exits 0, or names "
+         "the damaged, missing or unexpected file and exits 1."),
+        ("rm", cmd_rm, "remove a snapshot",
+         "Remove a snapshot directory. Only directories holding a valid snapshot manifest are "
+         "removed; anything else is refused (exit 2)."),
+    ]:
+        s = sub.add_parser(name, help=hlp, description=desc)
+        s.add_argument("dir", metavar="DIR", help="snapshot directory (or a snapshot id / name under the root)")
+        s.add_argument("--root", metavar="DIR", help=root_help)
+        if name == "inspect":
+            s.add_argument("--json", action="store_true", help="print the manifest as JSON")
+        s.set_defaults(fn=fn)
+
+    s = sub.add_parser("tiers", help="which snapshot tiers this machine supports, and why not",
+                       description="Print each snapshot tier and whether it is available here: "
+                       "artifacts always; parked needs the CUDA driver checkpoint API on a GPU (on "
+                       "CPU a warm parked process); criu needs CRIU >= 4.0 with its CUDA plugin.")
+    s.set_defaults(fn=cmd_tiers)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    a = p.parse_args(argv)
+    try:
+        return a.fn(a)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
