@@ -128,6 +128,7 @@ class RankStatus(msgspec.Struct):
     waiting: int
     requests_total: int
     expert_rows: int  # (token, expert) pairs computed here, for any rank
+    graph_captures: int = 0  # decode graph sets captured since start (retained ranks never recapture)
 
 
 class ControlReply(msgspec.Struct):

@@ -199,6 +199,7 @@ class RankServer:
             routable=self.routable.is_set(), steps=e.steps, state=self.life.state.name,
             load=[moe.load.tolist() for _, moe in e.model.moe_layers], running=len(e.sched.running),
             waiting=len(e.sched.waiting), requests_total=e.requests_total, expert_rows=e.expert_rows,
+            graph_captures=e.graphs.captures if e.graphs else 0,
         )
 
     async def generate(self, raw: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:

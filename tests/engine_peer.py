@@ -101,6 +101,9 @@ def main() -> None:
         report.append({"tokens": {k: v for k, v in outs.items() if not k.endswith("/end")},
                        "logits": {k: logits.pop(k) for k in list(logits)},
                        "rows": eng.expert_rows - rows0,
+                       "captures": eng.graphs.captures if eng.graphs else 0,
+                       "captures_sizes": eng.graphs.sizes if eng.graphs else [],
+                       "replays": eng.graphs.replays if eng.graphs else 0,
                        "experts": [placement.experts_on(rank, layer) for layer in range(len(placement.slots))]})
     eng.pause().result(timeout=60)
     write(d / f"report{rank}.json", json.dumps(report).encode())

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -125,3 +126,43 @@ def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 1
     finally:
         eng.stop()
     return [tokenizer().decode(t, skip_special_tokens=True) for t in tokens]
+
+
+class Traffic:
+    """Clients streaming greedy completions of `prompts` until stopped; every request is recorded
+    as (prompt index, text, start, end), every failure as (prompt index, error)."""
+
+    def __init__(self, srv: Server, prompts: list[list[int]], max_tokens: int, clients: int = 4):
+        self.srv, self.prompts, self.max_tokens = srv, prompts, max_tokens
+        self.results, self.errors = [], []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        k = i
+        while not self.stop.is_set():
+            p = k % len(self.prompts)
+            k += len(self.threads)
+            t0 = time.time()
+            try:
+                text = self.srv.stream_text(self.prompts[p], self.max_tokens)
+                self.results.append((p, text, t0, time.time()))
+            except Exception as e:  # recorded: tests assert there are none
+                self.errors.append((p, repr(e)))
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+
+def scale(srv: Server, n: int, **extra) -> dict:
+    """POST /scale and wait for the operation; returns its record."""
+    r = srv.control("POST", "/scale?wait=true", json={"dp_size": n, **extra}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()

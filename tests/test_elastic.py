@@ -5,13 +5,11 @@ Greedy outputs are judged token for token against the single-rank in-process eng
 
 from __future__ import annotations
 
-import threading
 import time
 
-import httpx
 import pytest
 
-from tests.server import Server, engine_reference
+from tests.server import Server, Traffic as _Traffic, engine_reference, scale
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
@@ -27,46 +25,13 @@ def server():
         srv.stop()
 
 
+def Traffic(srv: Server, clients: int = 4) -> _Traffic:
+    return _Traffic(srv, PROMPTS, MAX_TOKENS, clients)
+
+
 @pytest.fixture(scope="module")
 def reference():
     return engine_reference(PROMPTS, MAX_TOKENS)
-
-
-class Traffic:
-    """Several clients streaming greedy completions until stopped; records every request."""
-
-    def __init__(self, srv: Server, clients: int = 4):
-        self.srv, self.results, self.errors = srv, [], []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
-
-    def _run(self, i: int) -> None:
-        k = i
-        while not self.stop.is_set():
-            p = k % len(PROMPTS)
-            k += len(self.threads)
-            t0 = time.time()
-            try:
-                toks = self.srv.stream_text(PROMPTS[p], MAX_TOKENS)
-                self.results.append((p, toks, t0, time.time()))
-            except Exception as e:  # recorded: the test asserts there are none
-                self.errors.append((p, repr(e)))
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=120)
-
-
-def scale(srv: Server, n: int, **extra) -> dict:
-    r = srv.control("POST", "/scale?wait=true", json={"dp_size": n, **extra}, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_scale_under_traffic_loses_nothing(server, reference):
@@ -91,6 +56,7 @@ def test_scale_under_traffic_loses_nothing(server, reference):
     up = ops[0]
     assert set(up["phases"]) >= {"starting", "loading", "connecting", "warming", "committing"}
     assert up["pull_bytes"] > 0
+    assert [op["parked"] for op in ops[1:]] == [[3], [2]]  # leaving ranks wait for the next scale-up
 
 
 BAD = [

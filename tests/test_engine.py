@@ -102,12 +102,14 @@ def test_ranks_in_processes_match_transformers(model, world, device, tmp_path):
     assert all(rep[0]["rows"] > 0 for rep in reports)
 
 
-def test_active_set_changes_in_place(tmp_path):
-    """4 connected ranks, 2 active, then all 4: experts move, output tokens do not."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_active_set_changes_in_place(tmp_path, device):
+    """4 connected ranks, 2 active, then all 4: experts move, output tokens do not, and on CUDA
+    the retained ranks keep their captured decode graphs (no recapture)."""
     path = make_checkpoint("mixtral", tmp_path / "ckpt", seed=1)
     ref_tokens, _ = reference(path, PROMPTS, MAX_NEW)
     plan = {"world": 4, "model": str(path), "prompts": PROMPTS, "max_tokens": MAX_NEW, "min_ranks": 2,
-            "phases": [{"active": [0, 1]}, {"active": [0, 1, 2, 3]}]}
+            "device": device, "phases": [{"active": [0, 1]}, {"active": [0, 1, 2, 3]}]}
     reports = run_peers(tmp_path, plan)
     for phase in (0, 1):
         tokens, _ = merged(reports, phase)
@@ -116,6 +118,10 @@ def test_active_set_changes_in_place(tmp_path):
     assert [reports[r][0]["rows"] > 0 for r in range(4)] == [True, True, False, False]
     assert all(reports[r][1]["rows"] > 0 for r in range(4))
     assert all(e == -1 for r in (2, 3) for layer in reports[r][0]["experts"] for e in layer)
+    if device == "cuda":
+        for r in (0, 1):  # graphs replayed in both phases, captured once at start
+            assert reports[r][0]["captures"] == reports[r][1]["captures"] == len(reports[r][1]["captures_sizes"])
+            assert reports[r][1]["replays"] > reports[r][0]["replays"] > 0
 
 
 def test_bad_requests_are_refused_with_the_reason(tmp_path):

@@ -230,8 +230,12 @@ class VmmArena:
             if off + n > self._nbytes:
                 raise VmmError(f"VMM arena full: {n} bytes asked, {self._nbytes - off} of {self._nbytes} left")
             self._offset = _round_up(off + n, self.align)
-        flat = self._flat[off : off + n]
-        return flat.view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype, device=self.device)
+        if not n:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        # Made in grad mode even under no_grad: a view created in no_grad mode may not later be
+        # written in place with grad enabled (graph capture writes the KV views that way).
+        with torch.enable_grad():
+            return self._flat[off : off + n].view(dtype).view(shape)
 
     def alloc_like(self, t: torch.Tensor, copy: bool = True) -> torch.Tensor:
         """A view shaped like `t`, filled with its values when `copy` (the arena must be mapped)."""

@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 import msgspec
@@ -74,6 +76,21 @@ class TensorDesc(msgspec.Struct, frozen=True):
     checksum: int
 
 
+class IpcRegion(msgspec.Struct, frozen=True, array_like=True):
+    """A CUDA allocation a peer on the same node can open directly (torch's CUDA IPC sharing)."""
+
+    base: int
+    nbytes: int
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
 class WeightManifest(msgspec.Struct, frozen=True):
     rank: int
     agent: str
@@ -81,6 +98,30 @@ class WeightManifest(msgspec.Struct, frozen=True):
     mem_type: str  # "DRAM" | "VRAM"
     dev_id: int
     tensors: list[TensorDesc]
+    node: str = ""  # boot id of the source's machine: CUDA IPC only works within one
+    ipc: list[IpcRegion] = []  # VRAM regions a same-node puller copies from directly
+
+
+def node_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "@" + socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+def _ipc_regions(storages: list) -> list[IpcRegion]:
+    """Export the CUDA allocations behind the store's tensors. Memory torch did not allocate
+    (e.g. a CUDA VMM arena) cannot be shared this way; such regions are left to NIXL."""
+    out = []
+    for st in storages:
+        try:
+            dev, handle, size, offset, rc_handle, rc_offset, ev, ev_sync = st._share_cuda_()
+        except Exception as e:
+            log.info("CUDA IPC unavailable for a region at 0x%x (%s); NIXL serves it", st.data_ptr(), e)
+            continue
+        out.append(IpcRegion(st.data_ptr(), st.nbytes(), dev, handle, size, offset, rc_handle, rc_offset,
+                             ev or b"", bool(ev_sync)))
+    return out
 
 
 class PullItem(msgspec.Struct, frozen=True):
@@ -96,6 +137,7 @@ class PullStats(msgspec.Struct):
     per_source: dict[int, int]  # bytes per source rank
     transfer_seconds: float = 0.0  # first post to last completion
     verify_seconds: float = 0.0
+    ipc_bytes: int = 0  # of `bytes`, copied through CUDA IPC from same-node peers
 
     @property
     def gbps(self) -> float:
@@ -276,6 +318,7 @@ class WeightStore:
         self.dev_id = self.device.index if self._on_cuda else 0
 
         regions: dict[int, int] = {}  # storage base -> nbytes
+        storages: dict[int, object] = {}
         for n, t in tensors.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tensor {n}: not a torch.Tensor")
@@ -289,8 +332,12 @@ class WeightStore:
             base = st.data_ptr()
             if regions.get(base, 0) < st.nbytes():
                 regions[base] = st.nbytes()
+                storages[base] = st
         self.tensors: dict[str, torch.Tensor] = dict(tensors)
         self._regions = sorted(regions.items())
+        self.node = node_id()
+        self._ipc = _ipc_regions([storages[b] for b, _ in self._regions]) if self.device.type == "cuda" else []
+        self._opened: dict[tuple[str, int], torch.Tensor] = {}  # (source agent, region base) -> bytes
         # Distinct storages never overlap, but memory handed in from outside torch could: refuse
         # rather than let UCX see overlapping registrations.
         for (a, na), (b, _) in zip(self._regions, self._regions[1:]):
@@ -348,7 +395,7 @@ class WeightStore:
             self._check_open()
             meta = self._agent.get_agent_metadata()
         self.start_serving()
-        return WeightManifest(self.rank, self.name, meta, self.mem_type, self.dev_id, descs)
+        return WeightManifest(self.rank, self.name, meta, self.mem_type, self.dev_id, descs, self.node, self._ipc)
 
     def start_serving(self) -> None:
         with self._lock:
@@ -424,6 +471,7 @@ class WeightStore:
         sources: dict[int, WeightManifest],
         timeout_s: float = 60.0,
         progress: Callable[[int, int], None] | None = None,
+        use_ipc: bool = True,
     ) -> PullStats:
         """READ each item's source tensor into self.tensors[dst_name], then verify every checksum.
 
@@ -440,7 +488,12 @@ class WeightStore:
                 self._load_source(sources[r])
 
             t_xfer = time.monotonic()
-            xfers = self._run(plan, sources, deadline, total, progress, timeout_s)
+            # Same-node VRAM sources: copy through CUDA IPC at device-copy speed (UCX in the NIXL
+            # wheel moves VRAM over tcp/loopback here); NIXL READ for everything else.
+            direct = {r: xs for r, xs in plan.items() if use_ipc and self._ipc_usable(sources[r])}
+            self._copy_ipc(direct, sources)
+            xfers = self._run({r: xs for r, xs in plan.items() if r not in direct}, sources, deadline, total,
+                              progress, timeout_s)
             t_verify = time.monotonic()
             bad = self._verify([x for xs in plan.values() for x in xs])
             t_end = time.monotonic()
@@ -461,6 +514,7 @@ class WeightStore:
                 per_source=per_source,
                 transfer_seconds=t_verify - t_xfer,
                 verify_seconds=t_end - t_verify,
+                ipc_bytes=sum(per_source[r] for r in direct),
             )
             log.info(
                 "%s: pulled %d tensors, %.1f MiB from ranks %s in %.3fs (%.2f GB/s; transfer %.3fs, verify %.3fs)",
@@ -528,6 +582,32 @@ class WeightStore:
             plan[r] = xs
         return plan
 
+    def _ipc_usable(self, m: WeightManifest) -> bool:
+        return self._on_cuda and m.mem_type == "VRAM" and bool(m.ipc) and m.node == self.node
+
+    def _copy_ipc(self, plan: dict[int, list[_Xfer]], sources: dict[int, WeightManifest]) -> None:
+        for r, xs in plan.items():
+            m = sources[r]
+            for x in xs:
+                for it, desc, dst in x.items:
+                    region = next((g for g in m.ipc if g.base <= desc.addr < g.base + g.nbytes), None)
+                    if region is None:
+                        raise WeightTransferError(f"tensor {it.src_name} from rank {r}: not in an exported region")
+                    src = self._open(m.agent, region)[desc.addr - region.base: desc.addr - region.base + desc.nbytes]
+                    dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
+                x.state = "DONE"
+        if plan:
+            torch.cuda.synchronize(self.device)
+
+    def _open(self, agent: str, g: IpcRegion) -> torch.Tensor:
+        key = (agent, g.base)
+        if key not in self._opened:
+            st = torch.UntypedStorage._new_shared_cuda(g.device, g.handle, g.size, g.offset, g.ref_counter_handle,
+                                                       g.ref_counter_offset, g.event_handle or None,
+                                                       g.event_sync_required)
+            self._opened[key] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
+        return self._opened[key]
+
     def _load_source(self, m: WeightManifest) -> None:
         if m.agent in self._remote:
             return
@@ -548,6 +628,8 @@ class WeightStore:
 
     def _forget_source(self, m: WeightManifest) -> None:
         """Drop a failed source's agent so a retry reloads it from a fresh manifest."""
+        for key in [k for k in self._opened if k[0] == m.agent]:
+            del self._opened[key]
         if self._remote.pop(m.agent, None) is None:
             return
         with self._lock:

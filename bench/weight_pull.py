@@ -1,0 +1,82 @@
+"""Weight-pull bandwidth: a joiner pulling from two serving ranks by NIXL READ and, for same-node
+GPU peers, by CUDA IPC, against a plain device copy of the same bytes on this GPU.
+
+Sources are real processes (`tests.weight_peer`); every pull is checksum-verified, so the
+end-to-end column includes verification and the transfer column does not."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from components.engine.weight_transfer import PullItem, WeightStore, spread
+from tests.test_weight_transfer import NON_EXPERT, Sources
+from tests.weight_peer import make_weights
+
+
+def device_copy_gbps(nbytes: int, device: str) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return 5 * nbytes / (time.perf_counter() - t) / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument("--mb", type=int, default=2048, help="MB of weights each source holds (default %(default)s)")
+    p.add_argument("--repeat", type=int, default=3, help="pulls per path; the best is reported")
+    p.add_argument("--out", type=Path, default=Path("bench/results/weight_pull.json"))
+    args = p.parse_args()
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        src = Sources(Path(d))
+        for r in (0, 1):
+            src.spawn(r, "--big-mb", str(args.mb), "--device", args.device)
+        try:
+            m = {r: src.manifest(r, timeout=300) for r in (0, 1)}
+            sizes = {t.name: t.nbytes for t in m[0].tensors}
+            items: list[PullItem] = spread(NON_EXPERT, [0, 1], sizes)
+            dst = {k: v.to(args.device) for k, v in make_weights(0, big_mb=args.mb).items() if k in NON_EXPERT}
+            with WeightStore(9, dst, device=args.device) as local:
+                paths = [("nixl", False)] + ([("cuda-ipc", True)] if args.device == "cuda" else [])
+                for name, ipc in paths:
+                    best = None
+                    for _ in range(args.repeat):
+                        st = local.pull(items, m, timeout_s=600, use_ipc=ipc)
+                        if best is None or st.transfer_seconds < best.transfer_seconds:
+                            best = st
+                    rows.append({"path": name, "bytes": best.bytes, "ipc_bytes": best.ipc_bytes,
+                                 "transfer_gbps": best.bytes / best.transfer_seconds / 1e9,
+                                 "end_to_end_gbps": best.gbps, "verify_s": best.verify_seconds})
+        finally:
+            src.stop()
+    copy = device_copy_gbps(rows[0]["bytes"], args.device)
+    print(f"| path | MB | transfer GB/s | end-to-end GB/s (with checksums) | % of device copy ({copy:.0f} GB/s) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['path']} | {r['bytes'] / 1e6:.0f} | {r['transfer_gbps']:.1f} | {r['end_to_end_gbps']:.1f} | "
+              f"{100 * r['transfer_gbps'] / copy:.0f}% |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"command": " ".join(["python -m bench.weight_pull", *sys.argv[1:]]),
+                                    "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                                    "device_copy_gbps": copy, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
