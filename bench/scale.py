@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server import MODEL, Server
+from tests.server import Server
 
 
 class Load:
@@ -40,7 +40,7 @@ class Load:
         http = httpx.Client(base_url=self.srv.http.base_url, timeout=300)
         k = i
         while not self.stop.is_set():
-            body = {"model": MODEL, "prompt": [5 + k % 50, 17, 42, 99], "max_tokens": self.max_tokens,
+            body = {"model": self.srv.model, "prompt": [5 + k % 50, 17, 42, 99], "max_tokens": self.max_tokens,
                     "temperature": 0, "stream": True, "ignore_eos": True}
             k += 1
             try:
@@ -81,12 +81,18 @@ class Load:
 def run_mode(mode: str, args) -> list[dict]:
     print(f"mode {mode}: starting the graph", file=sys.stderr)
     srv = Server([f"--Worker.max_ranks={args.max_ranks}", f"--Worker.dp_size={args.small}",
-                  "--Router.rebalance=false"])
+                  "--Router.rebalance=false", "--Planner.enabled=false", *args.graph_args],
+                 boot_timeout_s=600, model=None)
     rows = []
+    # Mode C runs a third operation: the scale-up again, now restoring the ranks the scale-down
+    # parked. That is mode D (C with snapshot restore).
+    steps = [(args.small, args.large, mode), (args.large, args.small, mode)]
+    if mode == "C":
+        steps.append((args.small, args.large, "D"))
     try:
         with Load(srv, args.clients, args.max_tokens) as load:
             time.sleep(args.warmup_s)
-            for src, dst in ((args.small, args.large), (args.large, args.small)):
+            for src, dst, label in steps:
                 s0 = time.time()
                 time.sleep(args.static_s)
                 s1 = time.time()
@@ -98,13 +104,13 @@ def run_mode(mode: str, args) -> list[dict]:
                     raise RuntimeError(f"mode {mode} {src}->{dst} did not complete: {op}")
                 prep_end = op["committed_at"] - (op["downtime_s"] or 0)
                 rows.append({
-                    "mode": mode, "from": src, "to": dst, "downtime_s": op["downtime_s"], "total_s": op["total_s"],
+                    "mode": label, "from": src, "to": dst, "joined_from": op.get("joined_from", {}), "downtime_s": op["downtime_s"], "total_s": op["total_s"],
                     "phases": op["phases"], "decode_step_s": load.step(s0, s1),
                     "tok_s_static": load.rate(s0, s1), "tok_s_preparing": load.rate(t0, prep_end),
                     "prepare_s": prep_end - t0, "pull_bytes": op["pull_bytes"],
                 })
                 r = rows[-1]
-                print(f"mode {mode}: {src}->{dst} downtime {r['downtime_s'] * 1e3:.1f} ms, total {r['total_s']:.2f} s",
+                print(f"mode {label}: {src}->{dst} downtime {r['downtime_s'] * 1e3:.1f} ms, total {r['total_s']:.2f} s",
                       file=sys.stderr)
                 time.sleep(args.settle_s)
         if load.errors:
@@ -112,6 +118,22 @@ def run_mode(mode: str, args) -> list[dict]:
     finally:
         srv.stop()
     return rows
+
+
+def restart(args) -> dict:
+    """The baseline: a deployment restarted at the larger size, timed to its first token."""
+    t0 = time.time()
+    srv = Server([f"--Worker.max_ranks={args.max_ranks}", f"--Worker.dp_size={args.large}",
+                  "--Planner.enabled=false", *args.graph_args], boot_timeout_s=1200, model=None)
+    try:
+        srv.stream_text([5, 17, 42, 99], 1)
+        ready = time.time() - t0
+    finally:
+        srv.stop()
+    print(f"restart at {args.large} ranks: first token after {ready:.1f} s", file=sys.stderr)
+    return {"mode": "restart", "from": args.small, "to": args.large, "downtime_s": ready, "total_s": ready,
+            "phases": {}, "decode_step_s": float("nan"), "tok_s_static": 0.0, "tok_s_preparing": 0.0,
+            "prepare_s": 0.0, "pull_bytes": 0, "joined_from": {}}
 
 
 def main() -> None:
@@ -128,9 +150,26 @@ def main() -> None:
                    help="static window measured before each operation (default %(default)s)")
     p.add_argument("--settle-s", type=float, default=2.0, help="pause after each operation (default %(default)s)")
     p.add_argument("--out", type=Path, default=Path("bench/results/scale.json"), help="JSON output path")
+    p.add_argument("--no-restart", action="store_true", help="skip the full-restart baseline")
+    p.add_argument("graph_args", nargs="*", help="extra `dynamo serve` options after --, e.g. "
+                   "-- --Worker.model=DIR --Worker.device=cuda --Worker.dtype=bfloat16")
     args = p.parse_args()
 
-    rows = [row for mode in args.modes.split(",") for row in run_mode(mode.strip(), args)]
+    rows: list[dict] = []
+
+    def save() -> None:  # after every mode, so a run cut short still leaves its numbers
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "command": " ".join(["python -m bench.scale", *sys.argv[1:]]), "rows": rows,
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "args": vars(args) | {"out": str(args.out)}}, indent=2))
+
+    for mode in args.modes.split(","):
+        rows += run_mode(mode.strip(), args)
+        save()
+    if not args.no_restart:
+        rows.append(restart(args))
+        save()
     print("| mode | scale | downtime ms | downtime / decode step | total s | prepare s | tok/s static | "
           "tok/s preparing |")
     print("|---|---|---|---|---|---|---|---|")
@@ -138,11 +177,15 @@ def main() -> None:
         print(f"| {r['mode']} | {r['from']} -> {r['to']} | {r['downtime_s'] * 1e3:.1f} | "
               f"{r['downtime_s'] / r['decode_step_s']:.1f} | {r['total_s']:.2f} | {r['prepare_s']:.2f} | "
               f"{r['tok_s_static']:.0f} | {r['tok_s_preparing']:.0f} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": " ".join(["python -m bench.scale", *sys.argv[1:]]), "rows": rows,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "args": vars(args) | {"out": str(args.out)},
-    }, indent=2))
+    phases = ["starting", "loading", "warming", "connecting", "draining", "migrating", "committing", "cleanup"]
+    print("\njoin time by phase (s):")
+    print("| mode | scale | joined from | " + " | ".join(phases) + " |")
+    print("|---|---|---|" + "---|" * len(phases))
+    for r in rows:
+        if r["mode"] != "restart":
+            how = ",".join(sorted(set(r["joined_from"].values()))) or "-"
+            print(f"| {r['mode']} | {r['from']} -> {r['to']} | {how} | "
+                  + " | ".join(f"{r['phases'].get(p, 0):.3f}" for p in phases) + " |")
     print(f"wrote {args.out}")
 
 

@@ -48,6 +48,7 @@ class LocalProvider:
     def __init__(self, ctx: GraphContext):
         self.ctx = ctx
         self.wcfg = msgspec.convert(ctx.configs.get("Worker", {}), Worker.Config)
+        self.checkpoint_parked = bool(ctx.configs.get("Router", {}).get("checkpoint_parked", False))
         self.procs: dict[int, subprocess.Popen] = {}
         self.parked: dict[int, tuple[int, bool]] = {}  # rank -> (pid, CUDA state checkpointed)
         self._pumps: dict[int, asyncio.Task] = {}
@@ -56,13 +57,30 @@ class LocalProvider:
         from snapshot import cuda_checkpoint
 
         checkpointed = False
-        if self.wcfg.device == "cuda" and cuda_checkpoint.available()[0]:
+        if self.checkpoint_parked and self.wcfg.device == "cuda" and cuda_checkpoint.available()[0]:
             t = await asyncio.to_thread(cuda_checkpoint.checkpoint, pid)
             checkpointed = True
             log.info("[op %s] Worker.%d parked, CUDA state checkpointed in %.3f s", op, rank, sum(t.values()))
         else:
             log.info("[op %s] Worker.%d parked (a warm process)", op, rank)
         self.parked[rank] = (pid, checkpointed)
+
+    async def _unpark(self, rank: int, op: str) -> bool:
+        """Restore a parked rank's process; False (and the process gone) when that fails, so the
+        caller cold-starts the rank instead of failing the scale-up."""
+        pid, checkpointed = self.parked[rank]
+        if checkpointed:
+            from snapshot import cuda_checkpoint
+
+            try:
+                t = await asyncio.to_thread(cuda_checkpoint.restore, pid)
+            except Exception as e:
+                log.warning("[op %s] Worker.%d: restoring its CUDA state failed (%s); cold start instead", op, rank, e)
+                await self.release(rank, op, graceful=False)
+                return False
+            log.info("[op %s] Worker.%d CUDA state restored in %.3f s", op, rank, sum(t.values()))
+        del self.parked[rank]
+        return True
 
     def snapshot_for(self, rank: int, op: str) -> str:
         """A baked snapshot that fits this deployment, or "" (each refusal is logged with its reason)."""
@@ -82,14 +100,9 @@ class LocalProvider:
         how: dict[int, str] = {}
         for rank in ranks:
             if rank in self.parked and not fault:
-                pid, checkpointed = self.parked.pop(rank)
-                if checkpointed:
-                    from snapshot import cuda_checkpoint
-
-                    t = await asyncio.to_thread(cuda_checkpoint.restore, pid)
-                    log.info("[op %s] Worker.%d CUDA state restored in %.3f s", op, rank, sum(t.values()))
-                how[rank] = "parked"
-                continue
+                if await self._unpark(rank, op):
+                    how[rank] = "parked"
+                    continue
             if rank in self.parked:  # a fault test wants a fresh process: retire the parked one
                 await self.release(rank, op, graceful=False)
             snap = self.snapshot_for(rank, op)

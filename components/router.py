@@ -45,6 +45,10 @@ class Router(Component):
         drain_timeout_s: float = 30.0  # leaving ranks' requests still running after this are handed over
         rebalance: bool = True  # async EPLB after each scale operation
         park_leaving: bool = True  # keep leaving ranks' processes parked for the next scale-up
+        # CUDA: also checkpoint a parked rank's GPU state (it then holds no GPU memory). Off by
+        # default: on an H200 the restore of a serving worker failed (CUDA_ERROR_INVALID_VALUE);
+        # a failed restore falls back to a cold start.
+        checkpoint_parked: bool = False
         # Where joining ranks come from: "local" processes on this host, or "kubernetes" pods of the
         # worker StatefulSet ($ELASTIC_EP_CAPACITY overrides, as the manifests in deploy/ do).
         capacity: str = "local"

@@ -45,6 +45,10 @@ class Worker(Component):
         # Baked snapshots (`snapshot-bake bake`) joiners may start from; "" = none. One that does not
         # match this deployment, or fails its checksums, is refused and the joiner cold-starts.
         snapshot_root: str = ""
+        # CUDA: weights and KV cache in a CUDA VMM arena, released while a rank is parked (its
+        # checkpoint then holds no weights) and mapped again at the same addresses on restore.
+        # Peers then serve its weights over NIXL rather than CUDA IPC.
+        vmm: bool = False
 
     module: ClassVar[str] = "components.worker"
 
@@ -105,7 +109,8 @@ def rank_config(c: Worker.Config, rank: int):
     if device == "cuda":
         device = f"cuda:{rank % max(1, torch.cuda.device_count())}"
     return RankConfig(rank=rank, max_ranks=c.max_ranks, device=device, dtype=c.dtype, max_seqs=c.max_seqs,
-                      max_len=c.max_len, max_batched_tokens=c.max_batched_tokens, min_ranks=c.min_ranks)
+                      max_len=c.max_len, max_batched_tokens=c.max_batched_tokens, min_ranks=c.min_ranks,
+                      vmm=c.vmm)
 
 
 def model_source(cfg: Worker.Config) -> tuple[str, str]:
@@ -329,8 +334,12 @@ class RankServer:
             return await self._drain(msg)
         elif isinstance(msg, Park):
             await asyncio.to_thread(e.comm.disconnect, [r for r in e.comm.connected if r != self.rank])
+            if e.arena is not None:
+                await on_loop(e.release_memory)
             self.life.transition(RankState.PARKED, "out of the group, weights dropped", msg.op)
         elif isinstance(msg, Restore):
+            if e.arena is not None:
+                await on_loop(e.restore_memory)
             self.life.transition(RankState.RESTORED, "unparked", msg.op)
         elif isinstance(msg, Exit):
             # Requests handed over still stream through this rank: let them finish first.

@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,13 +34,17 @@ def free_ports(n: int) -> list[int]:
 class Server:
     """The whole graph in a subprocess on free ports, with a private discovery directory."""
 
-    def __init__(self, args: list[str], boot_timeout_s: float = 180):
+    def __init__(self, args: list[str], boot_timeout_s: float = 180, model: str | None = MODEL):
+        """`model`: the served model name to wait for and query; None takes the first served one."""
+        self.model = model
         self.http_port, self.router_port = free_ports(2)
         self.tmp = Path(tempfile.mkdtemp(prefix="elastic-test-"))
         self.log_path = self.tmp / "serve.log"
         self._log = self.log_path.open("w")
+        # The console script where it is installed; the module otherwise (same CLI).
+        dynamo = [shutil.which("dynamo")] if shutil.which("dynamo") else [sys.executable, "-m", "components.serve"]
         self.proc = subprocess.Popen(
-            [shutil.which("dynamo") or "dynamo", "serve", "graphs/elastic:Frontend",
+            [*dynamo, "serve", "graphs/elastic:Frontend",
              f"--Frontend.port={self.http_port}", f"--Router.port={self.router_port}",
              "--discovery-dir", str(self.tmp / "discovery"), *args],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -53,8 +58,9 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"dynamo serve exited with {self.proc.returncode}:\n{self.tail()}")
             try:
-                if (self.ctl.get("/health").status_code == 200
-                        and any(m["id"] == MODEL for m in self.http.get("/v1/models").json()["data"])):
+                served = [m["id"] for m in self.http.get("/v1/models").json()["data"]]
+                if self.ctl.get("/health").status_code == 200 and served and self.model in (None, *served):
+                    self.model = self.model or served[0]
                     return
             except httpx.HTTPError:
                 pass
@@ -72,7 +78,7 @@ class Server:
 
     def stream_text(self, prompt: list[int], max_tokens: int) -> str:
         """Greedy streaming completion of a token-id prompt; returns the generated text."""
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         text = []
         with self.http.stream("POST", "/v1/completions", json=body) as r:

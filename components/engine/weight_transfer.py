@@ -336,7 +336,10 @@ class WeightStore:
         self.tensors: dict[str, torch.Tensor] = dict(tensors)
         self._regions = sorted(regions.items())
         self.node = node_id()
-        self._ipc = _ipc_regions([storages[b] for b, _ in self._regions]) if self.device.type == "cuda" else []
+        # Exported on the first manifest only: a process whose memory was exported for CUDA IPC
+        # (or that opened another's) cannot be checkpointed, so only serving sources pay that.
+        self._storages = [storages[b] for b, _ in self._regions] if self.device.type == "cuda" else []
+        self._ipc: list[IpcRegion] | None = None
         self._opened: dict[tuple[str, int], torch.Tensor] = {}  # (source agent, region base) -> bytes
         # Distinct storages never overlap, but memory handed in from outside torch could: refuse
         # rather than let UCX see overlapping registrations.
@@ -395,6 +398,8 @@ class WeightStore:
             self._check_open()
             meta = self._agent.get_agent_metadata()
         self.start_serving()
+        if self._ipc is None:
+            self._ipc = _ipc_regions(self._storages)
         return WeightManifest(self.rank, self.name, meta, self.mem_type, self.dev_id, descs, self.node, self._ipc)
 
     def start_serving(self) -> None:
@@ -491,7 +496,12 @@ class WeightStore:
             # Same-node VRAM sources: copy through CUDA IPC at device-copy speed (UCX in the NIXL
             # wheel moves VRAM over tcp/loopback here); NIXL READ for everything else.
             direct = {r: xs for r, xs in plan.items() if use_ipc and self._ipc_usable(sources[r])}
-            self._copy_ipc(direct, sources)
+            try:
+                self._copy_ipc(direct, sources)
+            finally:
+                # Close what was opened: a process holding another's CUDA IPC memory cannot be
+                # checkpointed and restored (the driver API refuses), and a joiner may be parked later.
+                self._opened.clear()
             xfers = self._run({r: xs for r, xs in plan.items() if r not in direct}, sources, deadline, total,
                               progress, timeout_s)
             t_verify = time.monotonic()
