@@ -9,30 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import threading
-import time
 from pathlib import Path
 
-import msgspec
-import torch
 
 from components.engine.rank import EngineRank, RankConfig
 from components.engine.request import GenerateRequest
-
-
-def wait_for(paths, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waiting for {[str(p) for p in paths if not p.exists()]}")
-        time.sleep(0.02)
-
-
-def write(path: Path, data: bytes) -> None:
-    tmp = path.parent / f".{path.name}.{os.getpid()}"
-    tmp.write_bytes(data)
-    os.rename(tmp, path)
+from tests.peers import wait_for, write
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 
-from components.engine.rank import EngineRank
 from components.engine.request import GenerateRequest, RequestError
 from tests.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from tests.server import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = "graphs/elastic:Frontend"
@@ -137,17 +138,6 @@ def compute_reference() -> tuple[dict[str, Expected], list[Expected]]:
 
 # ---------------------------------------------------------------------------------------------
 # the served graph
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def alive(pid: int) -> bool:
