@@ -186,11 +186,23 @@ class EngineRank:
         self._thread = threading.Thread(target=self._loop, name=f"rank{self.cfg.rank}", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop the step loop and close the communicator. A loop stuck in a collective whose peer
+        is already gone is left to die with the process: closing under it would block until the
+        EP timeout."""
+        if self._thread and self._thread.is_alive():
+            try:  # when the whole group stops together, this lets it agree on a last step boundary
+                self.pause().result(timeout=grace_s)
+            except TimeoutError:
+                pass
         self._stop = True
         self._wake.set()
         if self._thread:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=grace_s)
+            if self._thread.is_alive():
+                log.warning("rank %d: step loop still in a collective at shutdown (a peer is gone); "
+                            "leaving it to the process exit", self.cfg.rank)
+                return
         self.comm.close()
 
     # ---- requests (any thread) -----------------------------------------------------------------
