@@ -168,6 +168,7 @@ class Operation:
         """Fill every slot `target` changes (and all dense weights of `dense_to`) from `sources`,
         where `current` says the experts are."""
         items: dict[int, list[PullItem]] = {}
+        manifests = {}
         holders: dict[tuple[int, int], list[int]] = {}
         for layer, row in enumerate(current.slots):
             for slot, e in enumerate(row):
@@ -186,8 +187,10 @@ class Operation:
                     src_rank=src, src_name=expert_slot_name(layer, src_slot % current.slots_per_rank, part),
                     dst_name=expert_slot_name(layer, slot % target.slots_per_rank, part)))
         if dense_to:
-            probe = await self.call([sources[0]], lambda r: ExportWeights(names=None))
-            sizes = {t.name: t.nbytes for t in probe[0].manifest.tensors if not t.name.startswith("experts.")}
+            # One full manifest names the dense weights and serves as that source's manifest.
+            probe = (await self.call([sources[0]], lambda r: ExportWeights(names=None)))[0].manifest
+            manifests[sources[0]] = probe
+            sizes = {t.name: t.nbytes for t in probe.tensors if not t.name.startswith("experts.")}
             for dst in dense_to:
                 items.setdefault(dst, []).extend(spread(list(sizes), list(sources), sizes))
         if not items:
@@ -196,13 +199,14 @@ class Operation:
         for its in items.values():
             for it in its:
                 need.setdefault(it.src_rank, set()).add(it.src_name)
-        replies = await self.call(sorted(need), lambda r: ExportWeights(names=sorted(need[r])))
-        manifests = {r: rep.manifest for r, rep in zip(sorted(need), replies)}
+        ask = sorted(r for r in need if r not in manifests)
+        replies = await self.call(ask, lambda r: ExportWeights(names=sorted(need[r])))
+        manifests.update({r: rep.manifest for r, rep in zip(ask, replies)})
         try:
             done = await self.call(sorted(items), lambda r: PullWeights(
                 sources={s: manifests[s] for s in {it.src_rank for it in items[r]}}, items=items[r], op=self.id))
         finally:
-            exporters = set(need) | ({sources[0]} if dense_to else set())
+            exporters = set(need) | set(manifests)
             await asyncio.gather(*(self.call([r], lambda r: EndExport()) for r in sorted(exporters)),
                                  return_exceptions=True)
         self.record.pull_bytes += sum(rep.pull.bytes for rep in done)
