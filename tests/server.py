@@ -31,14 +31,47 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie still answers kill(0); it is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+
+
+def pids_with_env(marker: str) -> set[int]:
+    """Live processes whose environment holds `marker` (a graph's unique discovery dir)."""
+    needle = marker.encode()
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and alive(int(entry.name)):
+            found.add(int(entry.name))
+    return found
+
+
 class Server:
     """The whole graph in a subprocess on free ports, with a private discovery directory."""
 
-    def __init__(self, args: list[str], boot_timeout_s: float = 180, model: str | None = MODEL):
-        """`model`: the served model name to wait for and query; None takes the first served one."""
+    def __init__(self, args: list[str], boot_timeout_s: float = 180, model: str | None = MODEL, wait: bool = True):
+        """`model`: the served model name to wait for and query; None takes the first served one.
+        `wait`: return once it serves (else call `wait_ready`)."""
         self.model = model
         self.http_port, self.router_port = free_ports(2)
         self.tmp = Path(tempfile.mkdtemp(prefix="elastic-test-"))
+        self.discovery_dir = self.tmp / "discovery"
+        self.env_marker = f"DYN_FILE_KV={self.discovery_dir}"
+        self.url = f"http://127.0.0.1:{self.http_port}/v1"
         self.log_path = self.tmp / "serve.log"
         self._log = self.log_path.open("w")
         # The console script where it is installed; the module otherwise (same CLI).
@@ -46,13 +79,18 @@ class Server:
         self.proc = subprocess.Popen(
             [*dynamo, "serve", "graphs/elastic:Frontend",
              f"--Frontend.port={self.http_port}", f"--Router.port={self.router_port}",
-             "--discovery-dir", str(self.tmp / "discovery"), *args],
+             "--discovery-dir", str(self.discovery_dir), *args],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=120)
         self.ctl = httpx.Client(base_url=f"http://127.0.0.1:{self.router_port}", timeout=120)
-        self._wait_ready(boot_timeout_s)
+        if wait:
+            self.wait_ready(boot_timeout_s)
 
-    def _wait_ready(self, timeout: float) -> None:
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -95,6 +133,8 @@ class Server:
         return "".join(text)
 
     def stop(self) -> int:
+        """SIGTERM the graph; anything of it still alive after that is killed (and the exit code
+        says whether the stop was clean)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -102,6 +142,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        for pid in pids_with_env(self.env_marker):
+            os.kill(pid, signal.SIGKILL)
         self._log.close()
         return self.proc.returncode
 

@@ -8,7 +8,6 @@ One server for the whole module; the last test stops it and checks nothing is le
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
@@ -16,16 +15,13 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.server import free_ports
+from tests.server import Server, alive, pids_with_env
 
-ROOT = Path(__file__).resolve().parents[1]
-GRAPH = "graphs/elastic:Frontend"
 DYNAMO = shutil.which("dynamo")
 MODEL = "elastic-ep/tiny-moe"
 MAX_LEN = 1024  # Worker.max_len default; the reference engine uses the same
@@ -140,105 +136,29 @@ def compute_reference() -> tuple[dict[str, Expected], list[Expected]]:
 # the served graph
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie still answers kill(0); it is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return False
+class Stack(Server):
+    """The served graph plus the reference answers and the pids `dynamo serve` reported."""
 
-
-def pids_with_env(marker: str) -> set[int]:
-    """Live processes whose environment holds `marker` (our unique discovery dir)."""
-    needle = marker.encode()
-    found: set[int] = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            env = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in env.split(b"\0") and alive(int(entry.name)):
-            found.add(int(entry.name))
-    return found
-
-
-class Stack:
-    def __init__(self, tmp: Path) -> None:
-        self.http_port, self.router_port = free_ports(2)
-        self.discovery_dir = tmp / "discovery"
-        self.log_path = tmp / "serve.log"
-        self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(
-            [DYNAMO, "serve", GRAPH, f"--Frontend.port={self.http_port}",
-             f"--Router.port={self.router_port}", "--discovery-dir", str(self.discovery_dir)],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        self.url = f"http://127.0.0.1:{self.http_port}/v1"
-        self.router = f"http://127.0.0.1:{self.router_port}"
-        self.env_marker = f"DYN_FILE_KV={self.discovery_dir}"
+    def __init__(self) -> None:
+        super().__init__([], wait=False)
+        self.router = str(self.ctl.base_url).rstrip("/")
         self.children: dict[str, int] = {}
         self.expected: dict[str, Expected] = {}
         self.expected_chat: list[Expected] = []
         self.client = openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
 
-    @property
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
     def tail(self, n: int = 4000) -> str:
         return self.output[-n:]
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        healthy = listed = False
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"dynamo serve exited {self.proc.returncode}:\n{self.tail()}"
-            try:
-                if not healthy:
-                    healthy = httpx.get(f"{self.router}/health", timeout=2).status_code == 200
-                if healthy:
-                    r = httpx.get(f"{self.url}/models", timeout=2)
-                    listed = r.status_code == 200 and MODEL in [m["id"] for m in r.json()["data"]]
-                    if listed:
-                        break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        else:
-            raise AssertionError(f"not ready in {timeout:.0f} s (health {healthy}, model listed {listed}):\n"
-                                 f"{self.tail()}")
+        super().wait_ready(timeout)
         self.children = {m[1]: int(m[2]) for m in re.finditer(r"started (\S+) \(pid (\d+)", self.output)}
         assert {"Frontend", "Router", "Worker.0", "Worker.1"} <= set(self.children), self.children
 
-    def topology(self) -> dict:
-        r = httpx.get(f"{self.router}/topology", timeout=10)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        for pid in set(self.children.values()) | pids_with_env(self.env_marker):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        self._log.close()
-
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Stack:
-    s = Stack(tmp_path_factory.mktemp("serving"))
+def stack() -> Stack:
+    s = Stack()
     try:
         # Computed while the graph boots.
         s.expected, s.expected_chat = compute_reference()
