@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -82,8 +81,7 @@ def compute_reference() -> tuple[dict[str, Expected], list[Expected]]:
     from transformers import AutoTokenizer
 
     from components.engine.builtin import builtin_model_dir
-    from components.engine.rank import EngineRank, RankConfig
-    from components.engine.request import GenerateRequest
+    from tests.reference import generate, single_rank
 
     model_dir = builtin_model_dir()
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -96,37 +94,14 @@ def compute_reference() -> tuple[dict[str, Expected], list[Expected]]:
     ]
     all_ids = prompt_ids + chat_ids
 
-    eng = EngineRank(RankConfig(max_len=MAX_LEN), str(model_dir))
-    placement = eng.default_placement([0])
-    if hasattr(eng, "load_experts"):  # engine API: configure + load_experts
-        eng.configure(0, [0], placement)
-        eng.load_experts(placement)
-    else:  # earlier engine API
-        eng.place_experts(placement)
+    eng = single_rank(model_dir, max_len=MAX_LEN)
     eng.start()
-    outs: dict[str, list[int]] = {}
-    ends: dict[str, str] = {}
-    lock, done = threading.Lock(), threading.Event()
-
-    def emit(o) -> None:
-        with lock:
-            outs.setdefault(o.request_id, []).extend(o.token_ids)
-            if o.finish_reason:
-                ends[o.request_id] = o.finish_reason
-                if len(ends) == len(all_ids):
-                    done.set()
-
     try:
-        for i, ids in enumerate(all_ids):
-            eng.submit(GenerateRequest(str(i), ids, max_tokens=MAX_TOKENS), emit)
-        assert done.wait(120), f"reference: only {len(ends)} of {len(all_ids)} finished"
+        tokens, ends = generate(eng, all_ids, MAX_TOKENS)
     finally:
         eng.stop()
-    exp = [
-        Expected(ids, outs.get(str(i), []), ends[str(i)],
-                 tok.decode(outs.get(str(i), []), skip_special_tokens=True))
-        for i, ids in enumerate(all_ids)
-    ]
+    exp = [Expected(ids, toks, end, tok.decode(toks, skip_special_tokens=True))
+           for ids, toks, end in zip(all_ids, tokens, ends)]
     for e in exp:
         assert e.finish in ("length", "eos"), e.finish
     return dict(zip(PROMPTS, exp[: len(PROMPTS)])), exp[len(PROMPTS):]
