@@ -42,14 +42,10 @@ class SnapshotExists(SnapshotError):
     """Refused to overwrite an existing directory."""
 
 
-class SnapshotManifest(msgspec.Struct, kw_only=True):
-    format_version: int = FORMAT_VERSION
-    snapshot_id: str
-    created: str  # ISO 8601, UTC
-    tier: Tier = "artifacts"
+class SnapshotTarget(msgspec.Struct, kw_only=True):
+    """What a deployment expects of a snapshot it would restore from."""
+
     model_identity: str  # ModelConfig.identity()
-    model_name: str
-    architecture: str
     dtype: str  # resolved ("" never appears here)
     max_ranks: int
     num_experts: int
@@ -60,25 +56,20 @@ class SnapshotManifest(msgspec.Struct, kw_only=True):
     device_type: str  # "cpu" or the GPU name (torch.cuda.get_device_name)
     driver_version: str = ""  # cuDriverGetVersion() on CUDA, "" on CPU
     cuda_graph_sizes: list[int] = []
+
+
+class SnapshotManifest(SnapshotTarget, kw_only=True):
+    """A snapshot: what it was baked for (the SnapshotTarget fields) and what it holds."""
+
+    format_version: int = FORMAT_VERSION
+    snapshot_id: str
+    created: str  # ISO 8601, UTC
+    tier: Tier = "artifacts"
+    model_name: str
+    architecture: str
     warmup_seconds: float = 0.0
     files: dict[str, str] = {}  # relative path -> sha256 of every other file in the snapshot dir
     weights_included: bool = False
-
-
-class SnapshotTarget(msgspec.Struct, kw_only=True):
-    """What a deployment expects of a snapshot it would restore from."""
-
-    model_identity: str
-    dtype: str
-    max_ranks: int
-    num_experts: int
-    slots_per_rank: int
-    max_seqs: int
-    max_len: int
-    max_batched_tokens: int
-    device_type: str
-    driver_version: str = ""
-    cuda_graph_sizes: list[int] = []
 
 
 COMPARED_FIELDS: tuple[str, ...] = SnapshotTarget.__struct_fields__
