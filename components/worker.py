@@ -163,6 +163,7 @@ class RankServer:
         t0 = time.perf_counter()
         cfg = rank_config(self.cfg, self.rank)
         e = self.engine = EngineRank(cfg, model_dir, load_weights=not self.join)
+        self.identity = e.model_config.identity()
         if self.snapshot:
             self.check_snapshot()
         from components.engine.weight_transfer import WeightStore
@@ -198,7 +199,7 @@ class RankServer:
         e = self.engine
         return RankStatus(
             rank=self.rank, pid=os.getpid(), instance_id=self.gen_ep.connection_id(), metadata=e.comm.metadata(),
-            model_identity=e.model_config.identity(), num_experts=e.model_config.num_experts,
+            model_identity=self.identity, num_experts=e.model_config.num_experts,
             num_moe_layers=len(e.model.moe_layers), slots_per_rank=e.slots_per_rank, epoch=e.epoch,
             active=list(e.comm.active), connected=list(e.comm.connected), paused=e.paused,
             routable=self.routable.is_set(), steps=e.steps, state=self.life.state.name,

@@ -187,6 +187,7 @@ class NixlCommunicator:
             "on" if progress_thread else "off",
         )
 
+        self._metadata: bytes | None = None
         self._peers: dict[int, _Peer] = {}
         self._agent_rank: dict[str, int] = {}
         self._active: tuple[int, ...] = (rank,)
@@ -199,9 +200,13 @@ class NixlCommunicator:
     # ------------------------------------------------------------------ membership
 
     def metadata(self) -> bytes:
+        # Stable for the agent's lifetime, so built once: asking again must not wait on the lock a
+        # collective in flight holds.
+        if self._metadata is not None:
+            return self._metadata
         with self._lock:
             self._check_open()
-            return msgspec.msgpack.encode(
+            self._metadata = msgspec.msgpack.encode(
                 PeerMetadata(
                     version=_PROTOCOL_VERSION,
                     rank=self.rank,
@@ -214,6 +219,7 @@ class NixlCommunicator:
                     dev_id=self._dev_id,
                 )
             )
+            return self._metadata
 
     def connect(self, peers: Mapping[int, bytes], activate: bool = False) -> None:
         """Connect peers (rank -> metadata). Connected peers stay masked unless `activate`.
