@@ -1,5 +1,8 @@
 """Scale-operation benchmark: downtime and total time of 2 -> 4 and 4 -> 2 for modes A, B, C,
-and decode throughput while an operation prepares against a static deployment.
+D (C restoring parked ranks) and a full restart, the join time by phase, and decode throughput
+while an operation prepares against a static deployment. Every greedy completion of a prompt
+must equal the first one seen for it, before and after each scale; on a GPU, each rank's GPU
+memory (nvidia-smi) is recorded after each operation, parked ranks included.
 
 Runs `dynamo serve graphs/elastic:Frontend` as a user would, keeps streaming clients busy, and
 scales through the router's API. Downtime is the router's measurement (first pause request to
@@ -14,6 +17,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -24,6 +28,39 @@ import httpx
 from tests.server import Server
 
 
+def gpu_memory() -> dict[int, int]:
+    """nvidia-smi's MiB per process id, plus the device total under key 0 ({} without a GPU)."""
+    def smi(query: str) -> list[list[str]]:
+        try:
+            out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True,
+                                 text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    used = {int(r[0]): int(r[1]) for r in smi("--query-compute-apps=pid,used_memory")
+            if len(r) == 2 and r[0].isdigit() and r[1].isdigit()}
+    total = [int(r[0]) for r in smi("--query-gpu=memory.used") if r and r[0].isdigit()]
+    return used | ({0: sum(total)} if total else {})
+
+
+def rank_memory(srv: Server, parked: list[int]) -> dict[str, dict]:
+    """Per rank: pid, GPU MiB as nvidia-smi lists it (None when its container hides pids), and for
+    parked ranks the CUDA checkpoint state."""
+    mem = gpu_memory()
+    out = {}
+    for v in srv.topology()["ranks"]:
+        row = {"pid": v["pid"], "gpu_mib": mem.get(v["pid"]), "state": v["state"]}
+        if v["rank"] in parked and mem:
+            from snapshot import cuda_checkpoint
+            try:
+                row["cuda_state"] = cuda_checkpoint.state(v["pid"])
+            except Exception as e:  # reported in the JSON, never fatal to the benchmark
+                row["cuda_state"] = f"unknown: {e}"
+        out[str(v["rank"])] = row
+    return out | {"device_used_mib": mem.get(0)}
+
+
 class Load:
     """Streaming clients; every token's arrival time is kept."""
 
@@ -32,6 +69,9 @@ class Load:
         self.stamps: list[float] = []
         self.gaps: list[tuple[float, float]] = []  # (time, gap since the previous token of that stream)
         self.errors: list[str] = []
+        self.first: dict[int, str] = {}  # prompt key -> the first completed greedy text
+        self.completions = 0
+        self.mismatches: list[str] = []
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(clients)]
@@ -42,10 +82,13 @@ class Load:
         while not self.stop.is_set():
             body = {"model": self.srv.model, "prompt": [5 + k % 50, 17, 42, 99], "max_tokens": self.max_tokens,
                     "temperature": 0, "stream": True, "ignore_eos": True}
+            key = k % 50
             k += 1
             try:
-                last = None
+                last, text = None, []
                 with http.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:200]}")
                     for line in r.iter_lines():
                         if line.startswith("data: {"):
                             now = time.time()
@@ -54,6 +97,12 @@ class Load:
                                 if last is not None:
                                     self.gaps.append((now, now - last))
                             last = now
+                            text += [c.get("text") or "" for c in json.loads(line[6:]).get("choices", [])]
+                with self.lock:
+                    got = "".join(text)
+                    self.completions += 1
+                    if self.first.setdefault(key, got) != got:
+                        self.mismatches.append(f"prompt {key}: {got!r} != {self.first[key]!r}")
             except Exception as e:  # counted and reported, never hidden
                 self.errors.append(repr(e))
 
@@ -108,6 +157,8 @@ def run_mode(mode: str, args) -> list[dict]:
                     "phases": op["phases"], "decode_step_s": load.step(s0, s1),
                     "tok_s_static": load.rate(s0, s1), "tok_s_preparing": load.rate(t0, prep_end),
                     "prepare_s": prep_end - t0, "pull_bytes": op["pull_bytes"],
+                    "parked": op.get("parked", []), "ranks": rank_memory(srv, op.get("parked", [])),
+                    "completions": load.completions, "greedy_mismatches": len(load.mismatches),
                 })
                 r = rows[-1]
                 print(f"mode {label}: {src}->{dst} downtime {r['downtime_s'] * 1e3:.1f} ms, total {r['total_s']:.2f} s",
@@ -115,6 +166,8 @@ def run_mode(mode: str, args) -> list[dict]:
                 time.sleep(args.settle_s)
         if load.errors:
             raise RuntimeError(f"{len(load.errors)} client errors, first: {load.errors[0]}")
+        for m in load.mismatches[:5]:  # counted in every row; the numbers are kept either way
+            print(f"mode {mode}: greedy completion changed: {m}", file=sys.stderr)
     finally:
         srv.stop()
     return rows
@@ -171,12 +224,23 @@ def main() -> None:
         rows.append(restart(args))
         save()
     print("| mode | scale | downtime ms | downtime / decode step | total s | prepare s | tok/s static | "
-          "tok/s preparing |")
-    print("|---|---|---|---|---|---|---|---|")
+          "tok/s preparing | greedy changed / completions |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['from']} -> {r['to']} | {r['downtime_s'] * 1e3:.1f} | "
               f"{r['downtime_s'] / r['decode_step_s']:.1f} | {r['total_s']:.2f} | {r['prepare_s']:.2f} | "
-              f"{r['tok_s_static']:.0f} | {r['tok_s_preparing']:.0f} |")
+              f"{r['tok_s_static']:.0f} | {r['tok_s_preparing']:.0f} | "
+              f"{r.get('greedy_mismatches', '-')} / {r.get('completions', '-')} |")
+    if any(r.get("ranks", {}).get("device_used_mib") is not None for r in rows):
+        print("\nGPU memory after each operation (MiB, nvidia-smi; '?' where it lists no row for the pid):")
+        print("| mode | scale | device used | per rank (state, CUDA checkpoint state of parked ranks) |")
+        print("|---|---|---|---|")
+        for r in rows:
+            ranks = r.get("ranks", {})
+            per = ", ".join(f"{k}: {v['gpu_mib'] if v['gpu_mib'] is not None else '?'} ({v['state']}"
+                            + (f", {v['cuda_state']}" if "cuda_state" in v else "") + ")"
+                            for k, v in ranks.items() if k != "device_used_mib")
+            print(f"| {r['mode']} | {r['from']} -> {r['to']} | {ranks.get('device_used_mib')} | {per} |")
     phases = ["starting", "loading", "warming", "connecting", "draining", "migrating", "committing", "cleanup"]
     print("\njoin time by phase (s):")
     print("| mode | scale | joined from | " + " | ".join(phases) + " |")

@@ -1,5 +1,6 @@
 """Weight-pull bandwidth: a joiner pulling from two serving ranks by NIXL READ and, for same-node
-GPU peers, by CUDA IPC, against a plain device copy of the same bytes on this GPU.
+GPU peers, by CUDA IPC (torch allocations) and by mapping the sources' VMM arenas, against a plain
+device copy of the same bytes on this GPU.
 
 Sources are real processes (`tests.weight_peer`); every pull is checksum-verified, so the
 end-to-end column includes verification and the transfer column does not."""
@@ -43,34 +44,39 @@ def main() -> None:
     args = p.parse_args()
 
     rows = []
-    with tempfile.TemporaryDirectory() as d:
-        src = Sources(Path(d))
-        for r in (0, 1):
-            src.spawn(r, "--big-mb", str(args.mb), "--device", args.device)
-        try:
-            m = {r: src.manifest(r, timeout=300) for r in (0, 1)}
-            sizes = {t.name: t.nbytes for t in m[0].tensors}
-            items: list[PullItem] = spread(NON_EXPERT, [0, 1], sizes)
-            dst = {k: v.to(args.device) for k, v in make_weights(0, big_mb=args.mb).items() if k in NON_EXPERT}
-            with WeightStore(9, dst, device=args.device) as local:
-                paths = [("nixl", False)] + ([("cuda-ipc", True)] if args.device == "cuda" else [])
-                for name, ipc in paths:
-                    best = None
-                    for _ in range(args.repeat):
-                        st = local.pull(items, m, timeout_s=600, use_ipc=ipc)
-                        if best is None or st.transfer_seconds < best.transfer_seconds:
-                            best = st
-                    rows.append({"path": name, "bytes": best.bytes, "ipc_bytes": best.ipc_bytes,
-                                 "transfer_gbps": best.bytes / best.transfer_seconds / 1e9,
-                                 "end_to_end_gbps": best.gbps, "verify_s": best.verify_seconds})
-        finally:
-            src.stop()
+    dst = {k: v.to(args.device) for k, v in make_weights(0, big_mb=args.mb).items() if k in NON_EXPERT}
+    # (sources' memory, path name, use the direct path)
+    runs = [("torch", "nixl", False)]
+    if args.device == "cuda":
+        runs += [("torch", "cuda-ipc", True), ("vmm", "vmm-map", True)]
+    for memory in dict.fromkeys(m for m, _, _ in runs):
+        with tempfile.TemporaryDirectory() as d:
+            src = Sources(Path(d))
+            for r in (0, 1):
+                src.spawn(r, "--big-mb", str(args.mb), "--device", args.device, *(["--vmm"] if memory == "vmm" else []))
+            try:
+                m = {r: src.manifest(r, timeout=300) for r in (0, 1)}
+                sizes = {t.name: t.nbytes for t in m[0].tensors}
+                items: list[PullItem] = spread(NON_EXPERT, [0, 1], sizes)
+                with WeightStore(9, dst, device=args.device) as local:
+                    for _, name, direct in (r for r in runs if r[0] == memory):
+                        best = None
+                        for _ in range(args.repeat):
+                            st = local.pull(items, m, timeout_s=600, use_ipc=direct)
+                            if best is None or st.transfer_seconds < best.transfer_seconds:
+                                best = st
+                        rows.append({"path": name, "bytes": best.bytes, "ipc_bytes": best.ipc_bytes,
+                                     "transfer_gbps": best.bytes / best.transfer_seconds / 1e9,
+                                     "end_to_end_gbps": best.gbps, "verify_s": best.verify_seconds})
+            finally:
+                src.stop()
     copy = device_copy_gbps(rows[0]["bytes"], args.device)
-    print(f"| path | MB | transfer GB/s | end-to-end GB/s (with checksums) | % of device copy ({copy:.0f} GB/s) |")
-    print("|---|---|---|---|---|")
+    print(f"| path | MB | of which direct | transfer GB/s | end-to-end GB/s (with checksums) | "
+          f"% of device copy ({copy:.0f} GB/s) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['path']} | {r['bytes'] / 1e6:.0f} | {r['transfer_gbps']:.1f} | {r['end_to_end_gbps']:.1f} | "
-              f"{100 * r['transfer_gbps'] / copy:.0f}% |")
+        print(f"| {r['path']} | {r['bytes'] / 1e6:.0f} | {r['ipc_bytes'] / 1e6:.0f} | {r['transfer_gbps']:.1f} | "
+              f"{r['end_to_end_gbps']:.1f} | {100 * r['transfer_gbps'] / copy:.0f}% |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": " ".join(["python -m bench.weight_pull", *sys.argv[1:]]),
                                     "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

@@ -45,9 +45,9 @@ class Router(Component):
         drain_timeout_s: float = 30.0  # leaving ranks' requests still running after this are handed over
         rebalance: bool = True  # async EPLB after each scale operation
         park_leaving: bool = True  # keep leaving ranks' processes parked for the next scale-up
-        # CUDA: also checkpoint a parked rank's GPU state (it then holds no GPU memory). Off by
-        # default: on an H200 the restore of a serving worker failed (CUDA_ERROR_INVALID_VALUE);
-        # a failed restore falls back to a cold start.
+        # CUDA: also checkpoint a parked rank's GPU state with the driver API, so it holds no GPU
+        # memory. Needs Worker.vmm (the weights are released first, never exported for CUDA IPC).
+        # A failed restore falls back to a cold start.
         checkpoint_parked: bool = False
         # Where joining ranks come from: "local" processes on this host, or "kubernetes" pods of the
         # worker StatefulSet ($ELASTIC_EP_CAPACITY overrides, as the manifests in deploy/ do).
@@ -64,11 +64,17 @@ class Router(Component):
     def processes(cls, config: Any, ctx):
         if config.host not in LOOPBACK and not config.token:
             raise ValueError(f"Router.host {config.host!r} exposes the control API: set Router.token too")
+        worker = ctx.configs.get("Worker", {})
+        if config.checkpoint_parked and worker.get("device") == "cuda" and not worker.get("vmm"):
+            raise ValueError("Router.checkpoint_parked needs --Worker.vmm=true: a CUDA checkpoint of a "
+                             "worker whose weights are not in the VMM arena holds them all, and one whose "
+                             "memory was exported for CUDA IPC cannot be restored")
         return super().processes(config, ctx)
 
 
 class RankView(msgspec.Struct):
     rank: int
+    pid: int
     instance_id: int
     state: str
     routable: bool
@@ -216,7 +222,7 @@ class RouterService:
         views = []
         for r, st in sorted(self.status.items()):
             experts = self.placement.experts_on(r, 0) if self.placement else []
-            views.append(RankView(rank=r, instance_id=st.instance_id, state=st.state, routable=st.routable,
+            views.append(RankView(rank=r, pid=st.pid, instance_id=st.instance_id, state=st.state, routable=st.routable,
                                   paused=st.paused, epoch=st.epoch, steps=st.steps, running=st.running,
                                   waiting=st.waiting, requests_total=st.requests_total, expert_rows=st.expert_rows,
                                   graph_captures=st.graph_captures, experts_layer0=[e for e in experts if e >= 0]))

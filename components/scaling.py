@@ -28,8 +28,8 @@ from components.control import (
     SetRoutable, Warmup,
 )
 from components.engine.expert_map import Placement, changed_slots, grow, interim, rebalance, shrink
+from components.engine.rank import expert_slot_name
 from components.engine.weight_transfer import PullItem, spread
-from components.worker import expert_slot_name
 
 if TYPE_CHECKING:
     from components.capacity import CapacityProvider

@@ -47,7 +47,7 @@ class Worker(Component):
         snapshot_root: str = ""
         # CUDA: weights and KV cache in a CUDA VMM arena, released while a rank is parked (its
         # checkpoint then holds no weights) and mapped again at the same addresses on restore.
-        # Peers then serve its weights over NIXL rather than CUDA IPC.
+        # Same-node peers map the arena to pull from it (VMM file descriptors, not CUDA IPC).
         vmm: bool = False
 
     module: ClassVar[str] = "components.worker"
@@ -93,10 +93,6 @@ class Faults(msgspec.Struct, frozen=True):
             key, _, val = part.partition("=")
             fields[key] = val or True
         return msgspec.convert(fields, cls, strict=False)
-
-
-def expert_slot_name(layer: int, slot: int, part: str) -> str:
-    return f"experts.{layer}.{slot}.{part}"
 
 
 def rank_config(c: Worker.Config, rank: int):
@@ -150,6 +146,7 @@ class RankServer:
         self.routable = asyncio.Event()
         self.engine = None
         self.store = None
+        self.stores_opened = 0
         self.gen_ep = self.ctl_ep = self.gen_client = None
         self.serving: asyncio.Future | None = None  # the generate endpoint, once routable
         self.streams: dict[str, asyncio.Queue] = {}  # request id -> its output queue
@@ -166,14 +163,7 @@ class RankServer:
         self.identity = e.model_config.identity()
         if self.snapshot:
             self.check_snapshot()
-        from components.engine.weight_transfer import WeightStore
-
-        tensors = dict(e.model.named_parameters())
-        for layer, moe in e.model.moe_layers:
-            for slot in range(e.slots_per_rank):
-                for part, buf in (("gate", moe.w_gate), ("up", moe.w_up), ("down", moe.w_down)):
-                    tensors[expert_slot_name(layer, slot, part)] = buf[slot]
-        self.store = WeightStore(self.rank, tensors, device=cfg.device)
+        self.open_store()
         # Not serving anyone until the router puts this rank into a group.
         e.comm.set_active([], 0)
         e.start()
@@ -181,6 +171,16 @@ class RankServer:
             log.info("rank %d: joiner up in %.2f s, waiting for weights from peers", self.rank, time.perf_counter() - t0)
         else:
             self.life.transition(RankState.LOADED, f"cold start from {model_dir} in {time.perf_counter() - t0:.2f} s")
+
+    def open_store(self) -> None:
+        """Register this rank's weights with a fresh NIXL agent (named anew each time: peers may
+        still hold the metadata of one closed at park)."""
+        from components.engine.weight_transfer import WeightStore
+
+        e = self.engine
+        self.stores_opened += 1
+        self.store = WeightStore(self.rank, e.weight_tensors(), device=e.cfg.device, arena=e.arena,
+                                 name=f"weights-{self.rank}-{os.getpid()}-{self.stores_opened}")
 
     def check_snapshot(self) -> None:
         """A joiner started from a baked snapshot: it must fit this deployment and be intact;
@@ -334,13 +334,18 @@ class RankServer:
         elif isinstance(msg, Drain):
             return await self._drain(msg)
         elif isinstance(msg, Park):
-            await asyncio.to_thread(e.comm.disconnect, [r for r in e.comm.connected if r != self.rank])
+            # No NIXL agent survives parking: the UCX state a serving rank builds up (peer
+            # connections, CUDA mappings of peers' memory) has no place in a CUDA checkpoint.
+            await asyncio.to_thread(e.comm.suspend)
+            await asyncio.to_thread(self.store.close)
             if e.arena is not None:
                 await on_loop(e.release_memory)
-            self.life.transition(RankState.PARKED, "out of the group, weights dropped", msg.op)
+            self.life.transition(RankState.PARKED, "out of the group, weights dropped, NIXL agents closed", msg.op)
         elif isinstance(msg, Restore):
             if e.arena is not None:
                 await on_loop(e.restore_memory)
+            await asyncio.to_thread(e.comm.resume)
+            await asyncio.to_thread(self.open_store)
             self.life.transition(RankState.RESTORED, "unparked", msg.op)
         elif isinstance(msg, Exit):
             # Requests handed over still stream through this rank: let them finish first.

@@ -200,7 +200,48 @@ def scenario_kill(p: Peer) -> None:
     p.finish(survivors)
 
 
-SCENARIOS = {"exchange": scenario_exchange, "subset": scenario_subset, "mask": scenario_mask, "kill": scenario_kill}
+def scenario_park(p: Peer) -> None:
+    """Both exchange; rank 1 parks (suspend: no agent, buffers kept) while rank 0 goes on alone;
+    rank 1 resumes under a new agent, the two reconnect and exchange again under a new epoch."""
+    a = p.args
+    world = [0, 1]
+    p.exchange_metadata(world)
+    p.comm.set_active(world, 0)
+    for i in range(a.rounds):
+        p.round("before", i)
+    p.barrier("leave", world)
+    buffers = (p.comm._recv.data_ptr(), p.comm._send.data_ptr())
+    first_name = p.comm.name
+    if p.rank == 0:
+        p.comm.set_active([0], 1)
+        p.comm.disconnect([1])
+        p.round("alone", 0)
+        p.barrier("parked", world)
+    else:
+        p.comm.set_active([1], 1)
+        p.comm.disconnect([0])
+        p.comm.suspend()
+        p.result["suspended_metadata"] = p.comm.metadata().hex()
+        try:
+            p.comm.connect({0: (p.dir / "meta-0.bin").read_bytes()})
+        except Exception as e:  # noqa: BLE001 - the test checks the type and message
+            p.result["errors"]["connect_suspended"] = f"{type(e).__name__}: {e}"
+        p.round("parked", 0)  # alone: purely local, no agent needed
+        p.barrier("parked", world)
+        p.comm.resume()
+    p.result["renamed"] = p.comm.name != first_name
+    p.result["same_buffers"] = (p.comm._recv.data_ptr(), p.comm._send.data_ptr()) == buffers
+    write_atomic(p.dir / f"meta2-{p.rank}.bin", p.comm.metadata())
+    wait_files([p.dir / f"meta2-{r}.bin" for r in world])
+    p.comm.connect({r: (p.dir / f"meta2-{r}.bin").read_bytes() for r in world})
+    p.comm.set_active(world, 2)
+    for i in range(a.rounds):
+        p.round("after", i)
+    p.finish(world)
+
+
+SCENARIOS = {"exchange": scenario_exchange, "subset": scenario_subset, "mask": scenario_mask, "kill": scenario_kill,
+             "park": scenario_park}
 
 
 def main(argv=None) -> int:

@@ -145,6 +145,11 @@ class Server:
         for pid in pids_with_env(self.env_marker):
             os.kill(pid, signal.SIGKILL)
         self._log.close()
+        keep = os.environ.get("ELASTIC_EP_TEST_LOGS")  # e.g. $OUT on a device run
+        if keep:  # without Dynamo's line per routed request, which would bury the rest
+            lines = [ln for ln in self.output.splitlines(keepends=True) if "route request" not in ln]
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            (Path(keep) / f"serve-{self.http_port}.log").write_text("".join(lines))
         return self.proc.returncode
 
 
@@ -162,12 +167,12 @@ def tokenizer():
     return _TOKENIZER
 
 
-def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 1024) -> list[str]:
+def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 1024, device: str = "cpu") -> list[str]:
     """Greedy output of the single-rank in-process engine on the built-in model, as text."""
     from components.engine.builtin import builtin_model_dir
     from tests.reference import generate, single_rank
 
-    eng = single_rank(builtin_model_dir(), max_len=max_len)
+    eng = single_rank(builtin_model_dir(), device=device, max_len=max_len)
     eng.start()
     try:
         tokens, _ = generate(eng, prompts, max_tokens, ignore_eos=True)

@@ -122,6 +122,18 @@ def test_connected_subset_then_all_four(tmp_path):
         assert second == [[0, 1, 2, 3]] * 8
 
 
+def test_a_parked_rank_suspends_and_resumes_with_the_same_buffers(tmp_path):
+    results = _run(tmp_path, "park", 2, "--rounds", "4")
+    for res in results:
+        assert _check_rounds(res) == 4 + 1 + 4
+        assert res["same_buffers"]
+        assert [rnd["active"] for rnd in res["rounds"] if rnd["tag"] == "after"] == [[0, 1]] * 4
+    assert results[1]["renamed"] and not results[0]["renamed"]
+    assert results[1]["suspended_metadata"] == ""
+    assert results[1]["errors"]["connect_suspended"] == (
+        "EPError: rank 1: communicator is suspended (parked); resume() it first")
+
+
 def test_mask_remote_is_local(tmp_path):
     results = _run(tmp_path, "mask", 2, "--rounds", "5")
     for res in results:

@@ -5,12 +5,14 @@ next scale-up restores it instead of starting a process."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from snapshot.bake import bake
 from tests.reference import make_checkpoint
-from tests.server import Server, Traffic, engine_reference, scale
+from tests.server import ROOT, Server, Traffic, engine_reference, scale
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(8)]
@@ -64,3 +66,12 @@ def test_no_fitting_snapshot_falls_back_to_a_cold_start(server, snapshots):
     op = scale(server, 4)
     assert op["phase"] == "done" and op["joined_from"] == {"3": "cold"}, op
     assert scale(server, 2)["phase"] == "done"
+
+
+def test_checkpointing_parked_cuda_ranks_needs_the_vmm_arena(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "components.serve", "serve", "graphs/elastic:Frontend",
+                        "--discovery-dir", str(tmp_path), "--Worker.device=cuda", "--Router.checkpoint_parked=true"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Router.checkpoint_parked needs --Worker.vmm=true" in r.stderr
+    assert "started" not in r.stdout + r.stderr

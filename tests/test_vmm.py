@@ -362,3 +362,44 @@ def test_checkpoint_parks_vmm_rank_with_nixl_comm(tmp_path):
         pytest.skip(f"NIXL is not installed: {e}")
     model = make_checkpoint("mixtral", tmp_path / "tiny")
     run_checkpoint_flow(model, "nixl", MAX_NEW, "vmm_checkpoint_nixl_tiny")
+
+
+def outside(call: str, pid: int) -> dict:
+    """cuda_checkpoint.<call>(pid) from a fresh process with no CUDA context, as the router has."""
+    code = ("import json, sys; from snapshot import cuda_checkpoint as c; "
+            "print(json.dumps(getattr(c, sys.argv[1])(int(sys.argv[2]))))")
+    r = subprocess.run([sys.executable, "-c", code, call, str(pid)], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, f"{call}(pid {pid}) from another process: {r.stderr.strip().splitlines()[-1:]}"
+    return json.loads(r.stdout)
+
+
+@pytest.mark.gpu
+def test_checkpoint_of_a_rank_that_served_its_weights(tmp_path):
+    """A leaving rank, parked as the router parks it: its weights were registered with NIXL and a
+    manifest handed out; the store is closed and the arena released, then another process with no
+    CUDA context checkpoints and restores it. The same graphs replay the same tokens."""
+    from snapshot import cuda_checkpoint
+
+    ok, why = cuda_checkpoint.available()
+    if not ok:
+        pytest.skip(why)
+    model = make_checkpoint("mixtral", tmp_path / "tiny")
+    child = Child(model, "nixl", MAX_NEW)
+    try:
+        ready = child.read(600)
+        assert child.ask("store")["tensors"] > 0
+        child.ask("store_close")
+        child.ask("release")
+        pid = child.p.pid
+        outside("checkpoint", pid)
+        assert cuda_checkpoint.state(pid) == "checkpointed"
+        outside("restore", pid)
+        assert cuda_checkpoint.state(pid) == "running"
+        child.ask("restore")
+        child.ask("store")  # serving again after the restore
+        out = child.ask("generate")
+    finally:
+        child.close()
+    assert out["tokens"] == ready["tokens"]
+    assert out["captures"] == ready["captures"] and out["replays"] > ready["replays"]

@@ -300,10 +300,13 @@ def test_store_validates_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_pull_two_sources_gpu(tmp_path):
+@pytest.mark.parametrize("memory", ["torch", "vmm"])
+def test_pull_two_sources_gpu(tmp_path, memory):
+    """Same-node sources are copied from directly: CUDA IPC for torch allocations, the lent arena
+    for weights in a VMM arena; both end with the same bytes."""
     s = Sources(tmp_path)
     for r in (0, 1):
-        s.spawn(r, "--big-mb", str(BIG_MB), "--device", "cuda")
+        s.spawn(r, "--big-mb", str(BIG_MB), "--device", "cuda", *(["--vmm"] if memory == "vmm" else []))
     try:
         m = {r: s.manifest(r) for r in (0, 1)}
         exp = {r: make_weights(r, big_mb=BIG_MB) for r in (0, 1)}
@@ -321,6 +324,8 @@ def test_pull_two_sources_gpu(tmp_path):
             for i in range(N_SLOTS):
                 assert _same(local.tensors[f"experts.0.{i}.gate"], exp[i // 4][f"experts.0.{i}.gate"]), i
             assert set(stats.per_source) == {0, 1}
+            assert stats.ipc_bytes == stats.bytes, "a same-node source was read over NIXL"
+            assert (m[0].vmm != []) == (memory == "vmm")
             # Same bytes, same checksum on either device.
             assert checksum(local.tensors["embed"]) == checksum(exp[0]["embed"])
             print(f"\nGPU: pulled {stats.bytes / 2**20:.0f} MiB from 2 sources: {stats.gbps:.2f} GB/s end to end, "

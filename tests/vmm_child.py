@@ -3,7 +3,8 @@
     python tests/vmm_child.py MODEL_DIR {local|nixl} MAX_NEW
 
 Protocol: the child prints `@@ {json}` lines (anything else on stdout is noise to skip) and reads
-one JSON command a line: {"cmd": "generate" | "release" | "restore" | "quit"}. It first builds the
+one JSON command a line: {"cmd": "generate" | "release" | "restore" | "store" | "store_close" | "quit"}
+("store" registers the weights with NIXL and hands out a manifest, as a serving rank does). It first builds the
 rank (RankConfig(vmm=True)), generates once and reports "ready". Between commands the rank stays
 paused, so the parent may checkpoint the process (no CUDA work in flight, none started).
 """
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 
 from components.engine.rank import EngineRank, RankConfig  # noqa: E402
 from components.engine.request import GenerateRequest  # noqa: E402
+from components.engine.weight_transfer import WeightStore  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [100, 17, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7, 7, 90, 91]]
 
@@ -51,6 +53,12 @@ class LocalComm:
 
     def mask_remote(self) -> None:
         self._active = (0,)
+
+    def suspend(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
 
     @property
     def active(self) -> tuple[int, ...]:
@@ -128,6 +136,7 @@ def main() -> None:
         torch.cuda.synchronize()
         return remap_s, time.perf_counter() - t
 
+    store = None
     for line in sys.stdin:
         cmd = json.loads(line)["cmd"]
         try:
@@ -140,6 +149,13 @@ def main() -> None:
             elif cmd == "restore":
                 remap_s, reload_s = eng.call(refill).result(300)
                 say(event=cmd, remap_s=remap_s, reload_s=reload_s, **state(eng))
+            elif cmd == "store":
+                store = WeightStore(0, eng.weight_tensors(), device="cuda")
+                m = store.manifest()
+                say(event=cmd, tensors=len(m.tensors), ipc_regions=len(m.ipc))
+            elif cmd == "store_close":
+                store.close()
+                say(event=cmd)
             elif cmd == "quit":
                 eng.stop()
                 say(event=cmd)

@@ -63,6 +63,18 @@ def fresh_like(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def in_arena(w: dict[str, torch.Tensor]):
+    """The same weights moved into one CUDA VMM arena (slot views re-derived); (weights, arena)."""
+    from components.engine.vmm import VmmArena, plan_bytes
+
+    whole = {k: v for k, v in w.items() if not k.startswith("experts.0.")}
+    arena = VmmArena(plan_bytes((v.shape, v.dtype) for v in whole.values()), w["moe.w_gate"].device)
+    out = {k: arena.alloc_like(v) for k, v in whole.items()}
+    for s in range(N_SLOTS):
+        out[f"experts.0.{s}.gate"] = out["moe.w_gate"][s]
+    return out, arena
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
@@ -79,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--corrupt", default=None, help="flip a byte of this tensor after the manifest is made")
     ap.add_argument("--exit-early", action="store_true", help="exit right after writing the manifest")
     ap.add_argument("--max-s", type=float, default=300.0, help="give up serving after this long")
+    ap.add_argument("--vmm", action="store_true", help="CUDA: hold the weights in a VMM arena, lent to pullers")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[src {args.rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -87,7 +100,10 @@ def main(argv=None) -> int:
 
     d = Path(args.dir)
     w = make_weights(args.rank, args.seed, args.big_mb, args.device)
-    store = WeightStore(args.rank, w, device=args.device)
+    arena = None
+    if args.vmm:
+        w, arena = in_arena(w)
+    store = WeightStore(args.rank, w, device=args.device, arena=arena)
     man = store.manifest()
     if args.corrupt:
         # After the checksum was taken: what a puller reads no longer matches what was promised.

@@ -22,7 +22,7 @@ class EPCommunicator(Protocol):
     capacity_bytes: int  # most bytes one rank may send to one peer in one all_to_all
 
     def metadata(self) -> bytes:
-        """What a peer needs to connect to this rank (opaque, stable for the process lifetime)."""
+        """What a peer needs to connect to this rank (opaque, stable until suspend())."""
 
     def connect(self, peers: Mapping[int, bytes], activate: bool = False) -> None:
         """Connect peers (rank -> metadata). Connected peers stay masked unless `activate`."""
@@ -52,5 +52,12 @@ class EPCommunicator(Protocol):
         a missing destination sends zero bytes. Every active rank must make the same sequence of
         calls. Returns source rank -> uint8 tensor (owned by the caller) for every active rank,
         this one included. Raises EPError on timeout or a dead peer."""
+
+    def suspend(self) -> None:
+        """Parking: drop every peer and all transport state, keeping buffers at their addresses.
+        Until resume() only this rank may be active, and metadata() is empty."""
+
+    def resume(self) -> None:
+        """After parking: transport state back (new metadata), same buffers."""
 
     def close(self) -> None: ...

@@ -109,6 +109,16 @@ class _Peer:
         self.dev_id = dev_id
 
 
+def release_quietly(handles: list) -> None:
+    """Release transfer handles NIXL refused to release earlier (teardown: errors are moot)."""
+    for h in handles:
+        try:
+            h.release()
+        except Exception:
+            pass
+    handles.clear()
+
+
 def _import_nixl():
     try:
         from nixl_cu13._api import nixl_agent, nixl_agent_config
@@ -158,7 +168,7 @@ class NixlCommunicator:
         self.timeout_s = timeout_s
         self.name = name or f"ep-{rank}-{os.getpid()}"
 
-        nixl_agent, nixl_agent_config, self._nb = _import_nixl()
+        _, _, self._nb = _import_nixl()
         self._lock = threading.RLock()
         self._closed = False
         self._leaked: list = []  # handles NIXL refused to release (still in flight at an error)
@@ -176,18 +186,14 @@ class NixlCommunicator:
 
         if progress_thread is None:
             progress_thread = _usable_cpus() >= _PROGRESS_THREAD_MIN_CPUS
-        t0 = time.monotonic()
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread))
-        if "UCX" not in self._agent.backends:
-            raise EPError("NIXL UCX backend is not available (plugin missing)")
-        self._reg = [self._agent.register_memory(self._recv), self._agent.register_memory(self._send)]
-        log.info(
-            "%s: NIXL agent up in %.2fs, 2 x %d x %d B per region on %s, progress thread %s",
-            self.name, time.monotonic() - t0, max_ranks, capacity_bytes, self.device,
-            "on" if progress_thread else "off",
-        )
-
+        self._progress_thread = progress_thread
+        self._base_name = self.name
+        self._generation = 0
+        self._agent = None
+        self._reg: list = []
         self._metadata: bytes | None = None
+        self._open_agent()
+
         self._peers: dict[int, _Peer] = {}
         self._agent_rank: dict[str, int] = {}
         self._active: tuple[int, ...] = (rank,)
@@ -197,11 +203,64 @@ class NixlCommunicator:
         # (epoch, seq) -> {src: nbytes} for notifications that arrived before their collective.
         self._stash: dict[tuple[int, int], dict[int, int]] = {}
 
+    def _open_agent(self) -> None:
+        nixl_agent, nixl_agent_config, _ = _import_nixl()
+        t0 = time.monotonic()
+        self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"], enable_prog_thread=self._progress_thread))
+        if "UCX" not in self._agent.backends:
+            raise EPError("NIXL UCX backend is not available (plugin missing)")
+        self._reg = [self._agent.register_memory(self._recv), self._agent.register_memory(self._send)]
+        self._metadata = None
+        log.info(
+            "%s: NIXL agent up in %.2fs, 2 x %d x %d B per region on %s, progress thread %s",
+            self.name, time.monotonic() - t0, self.max_ranks, self.capacity_bytes, self.device,
+            "on" if self._progress_thread else "off",
+        )
+
+    def _drop_agent(self) -> None:
+        """Forget every peer, deregister the buffers and destroy the agent (and its UCX context)."""
+        agent = self._agent
+        if agent is None:
+            return
+        release_quietly(self._leaked)
+        for r in list(self._peers):
+            self._forget(r)
+        for reg in self._reg:
+            try:
+                agent.deregister_memory(reg)
+            except Exception as e:
+                log.warning("%s: deregister_memory failed: %s", self.name, e)
+        self._reg = []
+        self._agent = None
+        del agent
+
+    # ------------------------------------------------------------------ parking
+
+    def suspend(self) -> None:
+        """Drop every peer and the NIXL agent, UCX context included, keeping the buffers at their
+        addresses: a parked process then holds no transport state (CUDA IPC mappings, streams,
+        pinned staging) under a CUDA checkpoint. Until resume() only this rank may be active."""
+        with self._lock:
+            self._check_open()
+            self._active = tuple(r for r in self._active if r == self.rank)
+            self._drop_agent()
+            self._metadata = b""  # nothing to connect to until resume()
+            log.info("%s: suspended (no NIXL agent)", self.name)
+
+    def resume(self) -> None:
+        """A fresh agent over the same buffers, under a new name: peers may still know the old one."""
+        with self._lock:
+            self._check_open()
+            if self._agent is None:
+                self._generation += 1
+                self.name = f"{self._base_name}.{self._generation}"
+                self._open_agent()
+
     # ------------------------------------------------------------------ membership
 
     def metadata(self) -> bytes:
         # Stable for the agent's lifetime, so built once: asking again must not wait on the lock a
-        # collective in flight holds.
+        # collective in flight holds. Empty while suspended.
         if self._metadata is not None:
             return self._metadata
         with self._lock:
@@ -231,6 +290,8 @@ class NixlCommunicator:
         Raises EPError if a peer's capacity, max_ranks or protocol differ from ours."""
         with self._lock:
             self._check_open()
+            if self._agent is None:
+                raise EPError(f"rank {self.rank}: communicator is suspended (parked); resume() it first")
             decoded: dict[int, PeerMetadata] = {}
             for r, blob in peers.items():
                 try:
@@ -517,23 +578,7 @@ class NixlCommunicator:
                 return
             self._closed = True
             self._active = ()
-            agent = self._agent
-            for h in self._leaked:
-                try:
-                    h.release()
-                except Exception:
-                    pass
-            self._leaked.clear()
-            for r in list(self._peers):
-                self._forget(r)
-            for reg in self._reg:
-                try:
-                    agent.deregister_memory(reg)
-                except Exception as e:
-                    log.warning("%s: deregister_memory failed: %s", self.name, e)
-            self._reg = []
-            self._agent = None
-            del agent
+            self._drop_agent()
             log.info("%s: closed", self.name)
 
     def __enter__(self) -> "NixlCommunicator":

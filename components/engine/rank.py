@@ -58,6 +58,10 @@ class CommFactory(Protocol):
     def __call__(self, rank: int, max_ranks: int, capacity_bytes: int, device: str) -> EPCommunicator: ...
 
 
+def expert_slot_name(layer: int, slot: int, part: str) -> str:
+    return f"experts.{layer}.{slot}.{part}"
+
+
 def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, device: str, timeout_s: float = 30.0):
     from components.engine.ep_nixl import NixlCommunicator
 
@@ -173,6 +177,16 @@ class EngineRank:
         self.arena.remap()
         for t in self.kv.k + self.kv.v:
             t.zero_()
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """Everything a peer may pull from this rank: the parameters, and each expert slot by name
+        (a slot's logical expert changes with the map; its name does not)."""
+        tensors = dict(self.model.named_parameters())
+        for layer, moe in self.model.moe_layers:
+            for slot in range(self.slots_per_rank):
+                for part, buf in (("gate", moe.w_gate), ("up", moe.w_up), ("down", moe.w_down)):
+                    tensors[expert_slot_name(layer, slot, part)] = buf[slot]
+        return tensors
 
     @property
     def expert_rows(self) -> int:

@@ -48,7 +48,7 @@ from typing import Callable, Iterable, Mapping
 import msgspec
 import torch
 
-from .ep_nixl import _import_nixl
+from .ep_nixl import _import_nixl, release_quietly
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,14 @@ class IpcRegion(msgspec.Struct, frozen=True, array_like=True):
     event_sync_required: bool
 
 
+class VmmRegion(msgspec.Struct, frozen=True, array_like=True):
+    """A VMM arena a peer on the same node maps by asking `address` for its memory (vmm.VmmExporter)."""
+
+    base: int
+    nbytes: int
+    address: str
+
+
 class WeightManifest(msgspec.Struct, frozen=True):
     rank: int
     agent: str
@@ -100,6 +108,7 @@ class WeightManifest(msgspec.Struct, frozen=True):
     tensors: list[TensorDesc]
     node: str = ""  # boot id of the source's machine: CUDA IPC only works within one
     ipc: list[IpcRegion] = []  # VRAM regions a same-node puller copies from directly
+    vmm: list[VmmRegion] = []  # likewise, for weights in a VMM arena
 
 
 def node_id() -> str:
@@ -304,8 +313,14 @@ class WeightStore:
         device: str = "cpu",
         name: str | None = None,
         serve_interval_s: float = 0.001,
+        arena=None,
     ):
+        """`arena`: the VmmArena holding (some of) the tensors; same-node pullers then map it
+        directly (VmmExporter) instead of reading over NIXL."""
         self.rank = rank
+        self._arena = arena
+        self._exporter = None
+        self._vmm: list[VmmRegion] = []
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -338,9 +353,12 @@ class WeightStore:
         self.node = node_id()
         # Exported on the first manifest only: a process whose memory was exported for CUDA IPC
         # (or that opened another's) cannot be checkpointed, so only serving sources pay that.
-        self._storages = [storages[b] for b, _ in self._regions] if self.device.type == "cuda" else []
+        in_arena = (lambda b: arena.ptr <= b < arena.ptr + arena.nbytes) if arena is not None else (lambda b: False)
+        self._storages = ([storages[b] for b, _ in self._regions if not in_arena(b)]
+                          if self.device.type == "cuda" else [])
         self._ipc: list[IpcRegion] | None = None
-        self._opened: dict[tuple[str, int], torch.Tensor] = {}  # (source agent, region base) -> bytes
+        # (source agent, region base) -> (its bytes, the VmmImport to close or None)
+        self._opened: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}
         # Distinct storages never overlap, but memory handed in from outside torch could: refuse
         # rather than let UCX see overlapping registrations.
         for (a, na), (b, _) in zip(self._regions, self._regions[1:]):
@@ -400,7 +418,16 @@ class WeightStore:
         self.start_serving()
         if self._ipc is None:
             self._ipc = _ipc_regions(self._storages)
-        return WeightManifest(self.rank, self.name, meta, self.mem_type, self.dev_id, descs, self.node, self._ipc)
+            if self._arena is not None and self._arena.shareable:
+                from .vmm import VmmError, VmmExporter
+
+                try:
+                    self._exporter = VmmExporter(self._arena)
+                    self._vmm = [VmmRegion(self._arena.ptr, self._arena.nbytes, self._exporter.address)]
+                except (VmmError, OSError) as e:
+                    log.info("%s: the VMM arena cannot be lent (%s); NIXL serves it", self.name, e)
+        return WeightManifest(self.rank, self.name, meta, self.mem_type, self.dev_id, descs, self.node, self._ipc,
+                              self._vmm)
 
     def start_serving(self) -> None:
         with self._lock:
@@ -493,15 +520,17 @@ class WeightStore:
                 self._load_source(sources[r])
 
             t_xfer = time.monotonic()
-            # Same-node VRAM sources: copy through CUDA IPC at device-copy speed (UCX in the NIXL
-            # wheel moves VRAM over tcp/loopback here); NIXL READ for everything else.
-            direct = {r: xs for r, xs in plan.items() if use_ipc and self._ipc_usable(sources[r])}
+            # Same-node VRAM sources: copy through CUDA IPC or a lent VMM arena at device-copy
+            # speed (UCX in the NIXL wheel moved VRAM over tcp/loopback here); NIXL READ for
+            # everything else, and for a source whose memory could not be opened.
+            direct = {r: xs for r, xs in plan.items()
+                      if use_ipc and self._ipc_usable(sources[r]) and self._open_all(sources[r], xs)}
             try:
                 self._copy_ipc(direct, sources)
             finally:
                 # Close what was opened: a process holding another's CUDA IPC memory cannot be
                 # checkpointed and restored (the driver API refuses), and a joiner may be parked later.
-                self._opened.clear()
+                self._close_opened()
             xfers = self._run({r: xs for r, xs in plan.items() if r not in direct}, sources, deadline, total,
                               progress, timeout_s)
             t_verify = time.monotonic()
@@ -593,30 +622,63 @@ class WeightStore:
         return plan
 
     def _ipc_usable(self, m: WeightManifest) -> bool:
-        return self._on_cuda and m.mem_type == "VRAM" and bool(m.ipc) and m.node == self.node
+        return self._on_cuda and m.mem_type == "VRAM" and bool(m.ipc or m.vmm) and m.node == self.node
+
+    @staticmethod
+    def _region(m: WeightManifest, desc: TensorDesc) -> IpcRegion | VmmRegion | None:
+        return next((g for g in (*m.ipc, *m.vmm) if g.base <= desc.addr < g.base + g.nbytes), None)
+
+    def _open_all(self, m: WeightManifest, xs: list[_Xfer]) -> bool:
+        """Open every region of `m` the transfers read; False (a warning, nothing left open) when
+        one cannot be, so NIXL reads that source instead."""
+        try:
+            for x in xs:
+                for it, desc, _ in x.items:
+                    g = self._region(m, desc)
+                    if g is None:
+                        raise WeightTransferError(f"tensor {it.src_name}: not in a region rank {m.rank} exported")
+                    self._open(m.agent, g)
+        except Exception as e:
+            log.warning("%s: cannot map rank %d's memory directly (%s); reading it over NIXL", self.name, m.rank, e)
+            self._close_opened(m.agent)
+            return False
+        return True
 
     def _copy_ipc(self, plan: dict[int, list[_Xfer]], sources: dict[int, WeightManifest]) -> None:
         for r, xs in plan.items():
             m = sources[r]
             for x in xs:
                 for it, desc, dst in x.items:
-                    region = next((g for g in m.ipc if g.base <= desc.addr < g.base + g.nbytes), None)
-                    if region is None:
-                        raise WeightTransferError(f"tensor {it.src_name} from rank {r}: not in an exported region")
+                    region = self._region(m, desc)
                     src = self._open(m.agent, region)[desc.addr - region.base: desc.addr - region.base + desc.nbytes]
                     dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
                 x.state = "DONE"
         if plan:
             torch.cuda.synchronize(self.device)
 
-    def _open(self, agent: str, g: IpcRegion) -> torch.Tensor:
+    def _open(self, agent: str, g: IpcRegion | VmmRegion) -> torch.Tensor:
         key = (agent, g.base)
         if key not in self._opened:
-            st = torch.UntypedStorage._new_shared_cuda(g.device, g.handle, g.size, g.offset, g.ref_counter_handle,
-                                                       g.ref_counter_offset, g.event_handle or None,
-                                                       g.event_sync_required)
-            self._opened[key] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
-        return self._opened[key]
+            if isinstance(g, VmmRegion):
+                from .vmm import VmmImport
+
+                imp = VmmImport(g.address, self.device)
+                if imp.nbytes < g.nbytes:
+                    imp.close()
+                    raise WeightTransferError(f"{g.address} lent {imp.nbytes} bytes, the manifest says {g.nbytes}")
+                self._opened[key] = (imp.tensor, imp)
+            else:
+                st = torch.UntypedStorage._new_shared_cuda(g.device, g.handle, g.size, g.offset, g.ref_counter_handle,
+                                                           g.ref_counter_offset, g.event_handle or None,
+                                                           g.event_sync_required)
+                self._opened[key] = (torch.empty(0, dtype=torch.uint8, device=self.device).set_(st), None)
+        return self._opened[key][0]
+
+    def _close_opened(self, agent: str | None = None) -> None:
+        for key in [k for k in self._opened if agent is None or k[0] == agent]:
+            _, imported = self._opened.pop(key)
+            if imported is not None:
+                imported.close()
 
     def _load_source(self, m: WeightManifest) -> None:
         if m.agent in self._remote:
@@ -638,8 +700,7 @@ class WeightStore:
 
     def _forget_source(self, m: WeightManifest) -> None:
         """Drop a failed source's agent so a retry reloads it from a fresh manifest."""
-        for key in [k for k in self._opened if k[0] == m.agent]:
-            del self._opened[key]
+        self._close_opened(m.agent)
         if self._remote.pop(m.agent, None) is None:
             return
         with self._lock:
@@ -797,18 +858,16 @@ class WeightStore:
         if self._closed:
             return
         self.stop_serving()
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
         self._progress()
         with self._pull_lock, self._lock:
             if self._closed:
                 return
             self._closed = True
             agent = self._agent
-            for h in self._leaked:
-                try:
-                    h.release()
-                except Exception:
-                    pass
-            self._leaked.clear()
+            release_quietly(self._leaked)
             for name in list(self._remote.values()):
                 try:
                     agent.remove_remote_agent(name)

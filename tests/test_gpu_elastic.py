@@ -1,0 +1,71 @@
+"""The elastic flow on a GPU, as a user runs it: ranks as processes sharing the device, weights and
+KV in the VMM arena, leaving ranks parked with their CUDA state checkpointed (no GPU memory held),
+restored by the next scale-up, which pulls their weights from peers.
+
+Greedy outputs under traffic equal the single-rank engine on the same GPU across 2 -> 4 -> 2 -> 4;
+every joining rank serves requests after its commit; no rank recaptures a CUDA graph, including
+the restored ones (their graphs replay over weights remapped at the same addresses)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.server import Server, Traffic, engine_reference, scale
+
+pytestmark = pytest.mark.gpu
+
+MAX_TOKENS = 24
+PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(8)]
+
+
+def ranks(srv: Server) -> dict[int, dict]:
+    return {v["rank"]: v for v in srv.topology()["ranks"]}
+
+
+def test_scale_cycle_with_parked_ranks_checkpointed():
+    from snapshot import cuda_checkpoint
+
+    ok, why = cuda_checkpoint.available()
+    if not ok:
+        pytest.skip(why)
+    reference = dict(enumerate(engine_reference(PROMPTS, MAX_TOKENS, device="cuda")))
+    srv = Server(["--Worker.device=cuda", "--Worker.vmm=true", "--Worker.max_ranks=4", "--Worker.max_seqs=8",
+                  "--Router.checkpoint_parked=true", "--Router.rebalance=false", "--Planner.enabled=false"],
+                 boot_timeout_s=600)
+    try:
+        with Traffic(srv, PROMPTS, MAX_TOKENS, clients=4) as traffic:
+            time.sleep(2)
+            first = ranks(srv)
+            up = scale(srv, 4)
+            time.sleep(3)
+            after_up = ranks(srv)
+            down = scale(srv, 2)
+            parked = {r: after_up[r]["pid"] for r in down["parked"]}
+            states = {r: cuda_checkpoint.state(pid) for r, pid in parked.items()}
+            again = scale(srv, 4)
+            time.sleep(3)
+            last = ranks(srv)
+        log = srv.tail(3000)
+    finally:
+        srv.stop()
+    assert [op["phase"] for op in (up, down, again)] == ["done"] * 3, (up, down, again, log)
+    assert up["joined_from"] == {"2": "cold", "3": "cold"}
+    assert sorted(parked) == [2, 3] and set(states.values()) == {"checkpointed"}, states
+    assert again["joined_from"] == {"2": "parked", "3": "parked"}, log
+    assert "CUDA state restored" in log
+    assert again["phases"]["starting"] < up["phases"]["starting"]
+    assert again["pull_bytes"] > 0  # the restored ranks' weights came from peers
+    # Same processes, same graphs: nothing recaptured on any rank.
+    assert {r: last[r]["pid"] for r in parked} == parked
+    for r in (0, 1):
+        assert last[r]["graph_captures"] == first[r]["graph_captures"] > 0
+    for r in (2, 3):
+        assert last[r]["graph_captures"] == after_up[r]["graph_captures"] > 0
+        # each joiner served after each of its commits
+        assert after_up[r]["requests_total"] > 0 and last[r]["requests_total"] > after_up[r]["requests_total"]
+    assert traffic.errors == []
+    assert len(traffic.results) > 20
+    for p, text, _, _ in traffic.results:
+        assert text == reference[p], f"prompt {p}"
