@@ -227,6 +227,11 @@ def scenario_park(p: Peer) -> None:
         except Exception as e:  # noqa: BLE001 - the test checks the type and message
             p.result["errors"]["connect_suspended"] = f"{type(e).__name__}: {e}"
         p.round("parked", 0)  # alone: purely local, no agent needed
+        if a.hold:
+            held = torch.ones(1 << 20, device="cuda")  # GPU state for the checkpoint to move
+            write_atomic(p.dir / "parked", str(os.getpid()).encode())
+            wait_files([p.dir / "unpark"], timeout=300)
+            p.result["held_intact"] = bool(held.eq(1).all())
         p.barrier("parked", world)
         p.comm.resume()
     p.result["renamed"] = p.comm.name != first_name
@@ -259,6 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--latency", type=int, default=0)
     ap.add_argument("--progress-thread", type=lambda v: {"on": True, "off": False, "auto": None}[v], default=None)
     ap.add_argument("--dir", required=True)
+    ap.add_argument("--hold", action="store_true",
+                    help="park: the parked rank holds GPU memory and waits for DIR/unpark (a CUDA checkpoint window)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[rank {args.rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)

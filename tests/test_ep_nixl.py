@@ -134,6 +134,32 @@ def test_a_parked_rank_suspends_and_resumes_with_the_same_buffers(tmp_path):
         "EPError: rank 1: communicator is suspended (parked); resume() it first")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("buffers", ["cpu", "cuda"])
+def test_a_parked_rank_survives_a_cuda_checkpoint(tmp_path, buffers):
+    """The parked rank of the park scenario is checkpointed and restored (CUDA driver API) while
+    its peer goes on; then both reconnect. With EP buffers in device memory the peer's UCX may
+    have mapped them (cuda_ipc), which the restore refuses; the engine keeps them in host memory."""
+    from snapshot import cuda_checkpoint
+
+    ok, why = cuda_checkpoint.available()
+    if not ok:
+        pytest.skip(why)
+    procs = _spawn(tmp_path, "park", 2, "--rounds", "4", "--device", buffers, "--hold")
+    wait_files([tmp_path / "parked"], timeout=120)
+    pid = int((tmp_path / "parked").read_text())
+    try:
+        cuda_checkpoint.checkpoint(pid)
+        assert cuda_checkpoint.state(pid) == "checkpointed"
+        cuda_checkpoint.restore(pid)
+    finally:
+        write_atomic(tmp_path / "unpark", b"")
+    results = _join(tmp_path, procs)
+    assert results[1]["held_intact"]
+    for res in results:
+        assert _check_rounds(res) == 4 + 1 + 4
+
+
 def test_mask_remote_is_local(tmp_path):
     results = _run(tmp_path, "mask", 2, "--rounds", "5")
     for res in results:

@@ -97,7 +97,8 @@ class SparseMoE(nn.Module):
                 starts[r] = off
                 sends[r] = _pack(x[tokens[off : off + counts[r]]], slots[idx] % S)
             off += counts[r]
-        received = comm.all_to_all(sends)
+        # The communicator may hand back host memory (see rank.nixl_comm).
+        received = {r: t.to(x.device) for r, t in comm.all_to_all(sends).items()}
 
         srcs = sorted(received)
         parts = [_unpack(received[r], self.hidden, x.dtype) for r in srcs]
@@ -108,7 +109,7 @@ class SparseMoE(nn.Module):
         for r, (xs, _) in zip(srcs, parts):
             replies[r] = y[off : off + xs.shape[0]].contiguous().view(torch.uint8).flatten()
             off += xs.shape[0]
-        back = comm.all_to_all(replies)
+        back = {r: t.to(x.device) for r, t in comm.all_to_all(replies).items()}
 
         out_sorted = torch.zeros(T * k, self.hidden, dtype=x.dtype, device=x.device)
         for r in active:

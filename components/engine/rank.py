@@ -18,7 +18,7 @@ import secrets
 import time
 import threading
 from concurrent.futures import Future
-from typing import Callable, Protocol
+from typing import Callable
 
 import msgspec
 import torch
@@ -54,18 +54,18 @@ class RankConfig(msgspec.Struct, frozen=True):
     vmm: bool = False  # CUDA: weights, expert slots and KV in one VMM arena (release_memory/restore_memory)
 
 
-class CommFactory(Protocol):
-    def __call__(self, rank: int, max_ranks: int, capacity_bytes: int, device: str) -> EPCommunicator: ...
-
-
 def expert_slot_name(layer: int, slot: int, part: str) -> str:
     return f"experts.{layer}.{slot}.{part}"
 
 
-def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, device: str, timeout_s: float = 30.0):
+def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, timeout_s: float = 30.0):
+    """The EP communicator, its buffers in host memory on every device. The collective is
+    host-driven either way; in device memory, peers' UCX maps the buffers over CUDA IPC and keeps
+    the mappings after a disconnect, and a CUDA checkpoint of a parked rank whose memory a peer
+    still maps cannot be restored (cuCheckpointProcessRestore: CUDA_ERROR_INVALID_VALUE)."""
     from components.engine.ep_nixl import NixlCommunicator
 
-    return NixlCommunicator(rank, max_ranks, capacity_bytes, device=device, timeout_s=timeout_s)
+    return NixlCommunicator(rank, max_ranks, capacity_bytes, device="cpu", timeout_s=timeout_s)
 
 
 class EngineRank:
@@ -82,7 +82,7 @@ class EngineRank:
         # The largest message of a step: every token's top-k rows to one peer (row + int32 slot).
         row = mc.hidden_size * self.dtype.itemsize + 4
         capacity = max(64, cfg.max_batched_tokens * mc.top_k * row)
-        self.comm = comm or nixl_comm(cfg.rank, cfg.max_ranks, capacity, cfg.device, cfg.ep_timeout_s)
+        self.comm = comm or nixl_comm(cfg.rank, cfg.max_ranks, capacity, cfg.ep_timeout_s)
         self.expert_map = ExpertMap(mc.num_layers, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
         self.model = build_model(mc, ExpertParallel(self.comm, self.expert_map), cfg.max_len, self.dtype, self.device)
         if load_weights:  # a joiner leaves them empty and pulls them from peers instead
