@@ -102,7 +102,7 @@ class Load:
                     got = "".join(text)
                     self.completions += 1
                     if self.first.setdefault(key, got) != got:
-                        self.mismatches.append(f"prompt {key}: {got!r} != {self.first[key]!r}")
+                        self.mismatches.append(f"greedy completion changed, prompt {key}: {got!r} != {self.first[key]!r}")
             except Exception as e:  # counted and reported, never hidden
                 self.errors.append(repr(e))
 
@@ -159,15 +159,15 @@ def run_mode(mode: str, args) -> list[dict]:
                     "prepare_s": prep_end - t0, "pull_bytes": op["pull_bytes"],
                     "parked": op.get("parked", []), "ranks": rank_memory(srv, op.get("parked", [])),
                     "completions": load.completions, "greedy_mismatches": len(load.mismatches),
+                    "client_errors": len(load.errors),
                 })
                 r = rows[-1]
                 print(f"mode {label}: {src}->{dst} downtime {r['downtime_s'] * 1e3:.1f} ms, total {r['total_s']:.2f} s",
                       file=sys.stderr)
                 time.sleep(args.settle_s)
-        if load.errors:
-            raise RuntimeError(f"{len(load.errors)} client errors, first: {load.errors[0]}")
-        for m in load.mismatches[:5]:  # counted in every row; the numbers are kept either way
-            print(f"mode {mode}: greedy completion changed: {m}", file=sys.stderr)
+        # Counted in every row and shown here; the numbers are kept either way.
+        for m in load.errors[:5] + load.mismatches[:5]:
+            print(f"mode {mode}: {m}", file=sys.stderr)
     finally:
         srv.stop()
     return rows
@@ -224,13 +224,13 @@ def main() -> None:
         rows.append(restart(args))
         save()
     print("| mode | scale | downtime ms | downtime / decode step | total s | prepare s | tok/s static | "
-          "tok/s preparing | greedy changed / completions |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "tok/s preparing | greedy changed / completions | client errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['from']} -> {r['to']} | {r['downtime_s'] * 1e3:.1f} | "
               f"{r['downtime_s'] / r['decode_step_s']:.1f} | {r['total_s']:.2f} | {r['prepare_s']:.2f} | "
               f"{r['tok_s_static']:.0f} | {r['tok_s_preparing']:.0f} | "
-              f"{r.get('greedy_mismatches', '-')} / {r.get('completions', '-')} |")
+              f"{r.get('greedy_mismatches', '-')} / {r.get('completions', '-')} | {r.get('client_errors', '-')} |")
     if any(r.get("ranks", {}).get("device_used_mib") is not None for r in rows):
         print("\nGPU memory after each operation (MiB, nvidia-smi; '?' where it lists no row for the pid):")
         print("| mode | scale | device used | per rank (state, CUDA checkpoint state of parked ranks) |")

@@ -135,11 +135,13 @@ def test_a_parked_rank_suspends_and_resumes_with_the_same_buffers(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("buffers", ["cpu", "cuda"])
+@pytest.mark.parametrize("buffers", ["cpu", pytest.param("cuda", marks=pytest.mark.xfail(
+    strict=True, reason="the peer's UCX keeps the parked rank's device buffers mapped (cuda_ipc); "
+    "cuCheckpointProcessRestore then fails with CUDA_ERROR_INVALID_VALUE (H200, driver 580)"))])
 def test_a_parked_rank_survives_a_cuda_checkpoint(tmp_path, buffers):
     """The parked rank of the park scenario is checkpointed and restored (CUDA driver API) while
-    its peer goes on; then both reconnect. With EP buffers in device memory the peer's UCX may
-    have mapped them (cuda_ipc), which the restore refuses; the engine keeps them in host memory."""
+    its peer goes on; then both reconnect. Why the engine keeps EP buffers in host memory: with
+    them in device memory the restore is refused (the xfail)."""
     from snapshot import cuda_checkpoint
 
     ok, why = cuda_checkpoint.available()

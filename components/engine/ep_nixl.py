@@ -438,12 +438,19 @@ class NixlCommunicator:
 
             # Stage first so a single stream sync covers every copy, and the clones handed out by
             # the previous call are complete before our notifications say we are done with it.
+            # The sync is needed whenever a payload is in device memory, host buffers included:
+            # with HMM a copy into pageable memory need not be done when cudaMemcpyAsync returns.
+            streams = set()
             for dst in remotes:
                 n = sizes.get(dst, 0)
                 if n:
                     self._send[parity, dst, :n].copy_(send[dst], non_blocking=True)
+                    if send[dst].is_cuda:
+                        streams.add(torch.cuda.current_stream(send[dst].device))
             if self._on_cuda:
-                torch.cuda.current_stream(self.device).synchronize()
+                streams.add(torch.cuda.current_stream(self.device))
+            for st in streams:
+                st.synchronize()
 
             handles: dict[int, object] = {}
             try:

@@ -33,9 +33,12 @@ def _pack(x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return torch.cat((x.contiguous().view(torch.uint8).flatten(), local.to(torch.int32).view(torch.uint8)))
 
 
-def _unpack(buf: torch.Tensor, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _unpack(buf: torch.Tensor, hidden: int, dtype: torch.dtype, src: int) -> tuple[torch.Tensor, torch.Tensor]:
     row = hidden * dtype.itemsize
-    n = buf.numel() // (row + 4)
+    n, rest = divmod(buf.numel(), row + 4)
+    if rest:  # a torn or mismatched collective; garbage slot indices would follow
+        raise RuntimeError(f"EP dispatch from rank {src}: {buf.numel()} bytes is not a whole number of "
+                           f"{row + 4}-byte rows")
     return buf[: n * row].view(dtype).view(n, hidden), buf[n * row :].view(torch.int32)
 
 
@@ -101,7 +104,7 @@ class SparseMoE(nn.Module):
         received = {r: t.to(x.device) for r, t in comm.all_to_all(sends).items()}
 
         srcs = sorted(received)
-        parts = [_unpack(received[r], self.hidden, x.dtype) for r in srcs]
+        parts = [_unpack(received[r], self.hidden, x.dtype, r) for r in srcs]
         rows = torch.cat([p[0] for p in parts]) if parts else x.new_zeros(0, self.hidden)
         local = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0, dtype=torch.int32)
         y = self.experts(rows, local.to(rows.device))
