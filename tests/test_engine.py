@@ -39,12 +39,17 @@ def test_single_rank_matches_transformers(model, device):
     try:
         # All prompts at once: continuous batching mixes prefills and decodes in one step.
         tokens, ends = generate(eng, PROMPTS, MAX_NEW, ignore_eos=True)
+        captures = eng.graphs.captures if eng.graphs else 0
+        if device == "cuda":  # what modes A and B do in their pause: capture every size again
+            eng.call(eng.graphs.recapture).result(120)
+            again, _ = generate(eng, PROMPTS, MAX_NEW, ignore_eos=True)
     finally:
         eng.stop()
     assert tokens == ref_tokens
     assert ends == ["length"] * len(PROMPTS)
-    if device == "cuda":  # decode ran through the captured graphs, captured once
-        assert eng.graphs.replays > 0 and eng.graphs.captures == len(eng.graphs.sizes)
+    if device == "cuda":  # decode ran through the captured graphs, captured once, then again
+        assert eng.graphs.replays > 0 and captures == len(eng.graphs.sizes)
+        assert again == ref_tokens and eng.graphs.captures == 2 * captures
     # Teacher-forced logits through prefill + decode steps over the KV cache.
     eng = single_rank(path, device)
     for p, ref, want in zip(PROMPTS, ref_tokens, ref_logits):

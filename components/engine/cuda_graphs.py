@@ -97,6 +97,7 @@ class DecodeGraphs:
     def recapture(self) -> None:
         """Capture every size again (what a design without graph reuse pays on each scale)."""
         self.graphs.clear()
+        self.pool = None  # the pool went with the last graph that used it
         for b in reversed(self.sizes):
             self._capture(b)
 

@@ -147,6 +147,7 @@ class PullStats(msgspec.Struct):
     transfer_seconds: float = 0.0  # first post to last completion
     verify_seconds: float = 0.0
     ipc_bytes: int = 0  # of `bytes`, copied through CUDA IPC from same-node peers
+    open_seconds: float = 0.0  # of transfer_seconds, mapping same-node peers' memory
 
     @property
     def gbps(self) -> float:
@@ -525,6 +526,7 @@ class WeightStore:
             # everything else, and for a source whose memory could not be opened.
             direct = {r: xs for r, xs in plan.items()
                       if use_ipc and self._ipc_usable(sources[r]) and self._open_all(sources[r], xs)}
+            t_opened = time.monotonic()
             try:
                 self._copy_ipc(direct, sources)
             finally:
@@ -554,6 +556,7 @@ class WeightStore:
                 transfer_seconds=t_verify - t_xfer,
                 verify_seconds=t_end - t_verify,
                 ipc_bytes=sum(per_source[r] for r in direct),
+                open_seconds=t_opened - t_xfer,
             )
             log.info(
                 "%s: pulled %d tensors, %.1f MiB from ranks %s in %.3fs (%.2f GB/s; transfer %.3fs, verify %.3fs)",
