@@ -77,7 +77,8 @@ class Load:
         self.threads = [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(clients)]
 
     def client(self, i: int) -> None:
-        http = httpx.Client(base_url=self.srv.http.base_url, timeout=300)
+        # A stream silent for a minute is a failure to report, not something to wait out.
+        http = httpx.Client(base_url=self.srv.http.base_url, timeout=60)
         k = i
         while not self.stop.is_set():
             body = {"model": self.srv.model, "prompt": [5 + k % 50, 17, 42, 99], "max_tokens": self.max_tokens,
@@ -124,7 +125,7 @@ class Load:
     def __exit__(self, *exc):
         self.stop.set()
         for t in self.threads:
-            t.join(timeout=300)
+            t.join(timeout=90)
 
 
 def run_mode(mode: str, args) -> list[dict]:
