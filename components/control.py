@@ -79,10 +79,12 @@ class Warmup(msgspec.Struct, tag="warmup"):
 
 
 class Drain(msgspec.Struct, tag="drain"):
-    """Let this rank's requests finish for up to `timeout_s`, then hand the rest over (their
-    streams end unfinished, so the frontend migrates them with the tokens so far)."""
+    """Let this rank's requests finish for up to `timeout_s`, then hand the rest over: each goes on
+    (prompt plus tokens so far) on one of `targets`, the generate instances of the remaining
+    ranks, its stream relayed through this rank."""
 
     timeout_s: float
+    targets: list[int] = []
     op: str = "-"
 
 

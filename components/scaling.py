@@ -298,8 +298,12 @@ class Operation:
         self.transition(Phase.DRAINING, f"ranks {self.leaving} out of routing")
         await self.call(self.leaving, lambda r: SetRoutable(routable=False))
         drain_s = 0.0 if req.mode == "A" else req.drain_timeout_s
-        drained = asyncio.ensure_future(self.call(self.leaving, lambda r: Drain(timeout_s=drain_s, op=self.id),
-                                                  drain_s + svc.cfg.prepare_timeout_s))
+        # Handed-over requests go to remaining ranks by name: a routing table that still lists a
+        # leaving rank would send one to a rank about to park.
+        targets = [svc.status[r].instance_id for r in remaining]
+        drained = asyncio.ensure_future(self.call(
+            self.leaving, lambda r: Drain(timeout_s=drain_s, targets=targets, op=self.id),
+            drain_s + svc.cfg.prepare_timeout_s))
         self.transition(Phase.MIGRATING, "experts of leaving ranks to remaining ranks")
         interim_downtime = await self.migrate(current, target, sources=svc.active)
         self.record.handed_over = sum(rep.handed_over for rep in await drained)

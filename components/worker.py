@@ -228,11 +228,11 @@ class RankServer:
         try:
             while True:
                 o = await out.get()
-                if o is HANDOVER:
+                if isinstance(o, Handover):
                     self.engine.cancel(req.request_id)
-                    log.info("rank %d: handing request %s over after %d tokens", self.rank, req.request_id,
-                             len(produced))
-                    async for chunk in self.hand_over(raw, req, produced):
+                    log.info("rank %d: handing request %s over to instance %x after %d tokens", self.rank,
+                             req.request_id, o.instance_id, len(produced))
+                    async for chunk in self.hand_over(raw, req, produced, o.instance_id):
                         yield chunk
                     return
                 produced += o.token_ids
@@ -247,15 +247,15 @@ class RankServer:
             self.streams.pop(req.request_id, None)
             self.engine.cancel(req.request_id)  # a client gone mid-stream; a no-op once finished
 
-    async def hand_over(self, raw: dict[str, Any], req, produced: list[int]) -> AsyncIterator[dict[str, Any]]:
-        """Continue a request on a routable rank: its prompt plus the tokens so far go there, and its
-        stream comes back through this one, so the client never notices. This rank is out of
-        routing by now, so the round robin picks a remaining rank."""
+    async def hand_over(self, raw: dict[str, Any], req, produced: list[int],
+                        instance_id: int) -> AsyncIterator[dict[str, Any]]:
+        """Continue a request on a remaining rank's generate instance: its prompt plus the tokens
+        so far go there, and its stream comes back through this one, so the client never notices."""
         stop = dict(raw.get("stop_conditions") or {})
         stop["max_tokens"] = req.max_tokens - len(produced)
         cont = {**raw, "token_ids": list(req.prompt) + produced, "stop_conditions": stop}
         n = len(produced)
-        async for item in await self.gen_client.round_robin(cont):
+        async for item in await self.gen_client.direct(cont, instance_id):
             chunk = dict(item.data())
             n += len(chunk.get("token_ids") or [])
             if chunk.get("finish_reason"):
@@ -334,6 +334,7 @@ class RankServer:
         elif isinstance(msg, Drain):
             return await self._drain(msg)
         elif isinstance(msg, Park):
+            await self.relays_finished(msg.op)
             # No NIXL agent survives parking: the UCX state a serving rank builds up (peer
             # connections, CUDA mappings of peers' memory) has no place in a CUDA checkpoint.
             await asyncio.to_thread(e.comm.suspend)
@@ -348,10 +349,7 @@ class RankServer:
             await asyncio.to_thread(self.open_store)
             self.life.transition(RankState.RESTORED, "unparked", msg.op)
         elif isinstance(msg, Exit):
-            # Requests handed over still stream through this rank: let them finish first.
-            deadline = time.monotonic() + 300
-            while self.streams and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await self.relays_finished(msg.op)
             self.life.transition(RankState.EXITED, "asked to exit", msg.op)
             self.exit.set()
         return None
@@ -380,13 +378,26 @@ class RankServer:
         while (e.sched.running or e.sched.waiting or self.streams) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         handed = list(self.streams.values())
-        for q in handed:
-            q.put_nowait(HANDOVER)
+        if handed and not msg.targets:
+            raise ValueError(f"{len(handed)} request(s) left to hand over and no remaining rank to take them")
+        for i, q in enumerate(handed):
+            q.put_nowait(Handover(msg.targets[i % len(msg.targets)]))
         log.info("[op %s] rank %d: drained; %d request(s) handed over", msg.op, self.rank, len(handed))
         return ControlReply(ok=True, handed_over=len(handed))
 
+    async def relays_finished(self, op: str) -> None:
+        """Requests handed over still stream through this rank: let them finish (bounded)."""
+        deadline = time.monotonic() + 300
+        if self.streams:
+            log.info("[op %s] rank %d: waiting for %d relayed stream(s)", op, self.rank, len(self.streams))
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
-HANDOVER = object()  # queued into a stream to hand its request over to another rank
+
+class Handover(msgspec.Struct, frozen=True):
+    """Queued into a request's stream: continue it on this generate instance."""
+
+    instance_id: int
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:

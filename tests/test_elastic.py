@@ -150,7 +150,7 @@ def test_leaving_rank_hands_its_requests_over(server, reference):
         op = scale(server, 2, drain_timeout=0)
         time.sleep(1.0)
     assert op["phase"] == "done" and op["handed_over"] > 0, op
-    # Dynamo's migration carried the handed-over requests on with their tokens so far.
+    # Remaining ranks carried the handed-over requests on with their tokens so far.
     assert traffic.errors == []
     bad = [(p, toks, reference[p]) for p, toks, _, _ in traffic.results if toks != reference[p]]
     assert bad == []
