@@ -335,8 +335,8 @@ class RankServer:
             return await self._drain(msg)
         elif isinstance(msg, Park):
             await self.relays_finished(msg.op)
-            # No NIXL agent survives parking: the UCX state a serving rank builds up (peer
-            # connections, CUDA mappings of peers' memory) has no place in a CUDA checkpoint.
+            # No NIXL agent survives parking: a CUDA checkpoint then finds no transport state
+            # (UCX streams, events, peer connections) to save, and peers hold no stale endpoint.
             await asyncio.to_thread(e.comm.suspend)
             await asyncio.to_thread(self.store.close)
             if e.arena is not None:

@@ -438,8 +438,8 @@ class NixlCommunicator:
 
             # Stage first so a single stream sync covers every copy, and the clones handed out by
             # the previous call are complete before our notifications say we are done with it.
-            # The sync is needed whenever a payload is in device memory, host buffers included:
-            # with HMM a copy into pageable memory need not be done when cudaMemcpyAsync returns.
+            # The sync covers every payload in device memory, whatever memory the buffers are in:
+            # a WRITE must never read staging a copy may still be filling.
             streams = set()
             for dst in remotes:
                 n = sizes.get(dst, 0)
