@@ -147,7 +147,7 @@ class PullStats(msgspec.Struct):
     transfer_seconds: float = 0.0  # first post to last completion
     verify_seconds: float = 0.0
     ipc_bytes: int = 0  # of `bytes`, copied through CUDA IPC from same-node peers
-    open_seconds: float = 0.0  # of transfer_seconds, mapping same-node peers' memory
+    map_seconds: float = 0.0  # of transfer_seconds, mapping and unmapping same-node peers' memory
 
     @property
     def gbps(self) -> float:
@@ -532,7 +532,9 @@ class WeightStore:
             finally:
                 # Close what was opened: a process holding another's CUDA IPC memory cannot be
                 # checkpointed and restored (the driver API refuses), and a joiner may be parked later.
+                t_copied = time.monotonic()
                 self._close_opened()
+                t_unmapped = time.monotonic()
             xfers = self._run({r: xs for r, xs in plan.items() if r not in direct}, sources, deadline, total,
                               progress, timeout_s)
             t_verify = time.monotonic()
@@ -556,7 +558,7 @@ class WeightStore:
                 transfer_seconds=t_verify - t_xfer,
                 verify_seconds=t_end - t_verify,
                 ipc_bytes=sum(per_source[r] for r in direct),
-                open_seconds=t_opened - t_xfer,
+                map_seconds=(t_opened - t_xfer) + (t_unmapped - t_copied),
             )
             log.info(
                 "%s: pulled %d tensors, %.1f MiB from ranks %s in %.3fs (%.2f GB/s; transfer %.3fs, verify %.3fs)",
