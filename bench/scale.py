@@ -23,9 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
-from tests.server import Server
+from tests.server import Server, Traffic
 
 
 def gpu_memory() -> dict[int, int]:
@@ -61,51 +59,24 @@ def rank_memory(srv: Server, parked: list[int]) -> dict[str, dict]:
     return out | {"device_used_mib": mem.get(0)}
 
 
-class Load:
-    """Streaming clients; every token's arrival time is kept."""
+PROMPTS = [[5 + k, 17, 42, 99] for k in range(50)]
+
+
+class Load(Traffic):
+    """Streaming clients (tests.server.Traffic) with every chunk's arrival time kept, for token
+    rates and decode-step gaps."""
 
     def __init__(self, srv: Server, clients: int, max_tokens: int):
-        self.srv, self.max_tokens = srv, max_tokens
+        super().__init__(srv, PROMPTS, max_tokens, clients, on_chunk=self._stamp)
         self.stamps: list[float] = []
         self.gaps: list[tuple[float, float]] = []  # (time, gap since the previous token of that stream)
-        self.errors: list[str] = []
-        self.first: dict[int, str] = {}  # prompt key -> the first completed greedy text
-        self.completions = 0
-        self.mismatches: list[str] = []
-        self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(clients)]
 
-    def client(self, i: int) -> None:
-        # A stream silent for a minute is a failure to report, not something to wait out.
-        http = httpx.Client(base_url=self.srv.http.base_url, timeout=60)
-        k = i
-        while not self.stop.is_set():
-            body = {"model": self.srv.model, "prompt": [5 + k % 50, 17, 42, 99], "max_tokens": self.max_tokens,
-                    "temperature": 0, "stream": True, "ignore_eos": True}
-            key = k % 50
-            k += 1
-            try:
-                last, text = None, []
-                with http.stream("POST", "/v1/completions", json=body) as r:
-                    if r.status_code != 200:
-                        raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:200]}")
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            now = time.time()
-                            with self.lock:
-                                self.stamps.append(now)
-                                if last is not None:
-                                    self.gaps.append((now, now - last))
-                            last = now
-                            text += [c.get("text") or "" for c in json.loads(line[6:]).get("choices", [])]
-                with self.lock:
-                    got = "".join(text)
-                    self.completions += 1
-                    if self.first.setdefault(key, got) != got:
-                        self.mismatches.append(f"greedy completion changed, prompt {key}: {got!r} != {self.first[key]!r}")
-            except Exception as e:  # counted and reported, never hidden
-                self.errors.append(repr(e))
+    def _stamp(self, now: float, gap: float | None) -> None:
+        with self.lock:
+            self.stamps.append(now)
+            if gap is not None:
+                self.gaps.append((now, gap))
 
     def rate(self, t0: float, t1: float) -> float:
         with self.lock:
@@ -117,15 +88,12 @@ class Load:
             gaps = [g for t, g in self.gaps if t0 <= t < t1]
         return statistics.median(gaps) if gaps else float("nan")
 
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=90)
+    def changed(self) -> list[str]:
+        """Greedy completions that differ from the first one of the same prompt."""
+        first: dict[int, str] = {}
+        return [f"greedy completion changed, prompt {p}: {text!r} != {first[p]!r}"
+                for p, text, _, _ in sorted(list(self.results), key=lambda r: r[2])
+                if first.setdefault(p, text) != text]
 
 
 def run_mode(mode: str, args) -> list[dict]:
@@ -159,7 +127,7 @@ def run_mode(mode: str, args) -> list[dict]:
                     "tok_s_static": load.rate(s0, s1), "tok_s_preparing": load.rate(t0, prep_end),
                     "prepare_s": prep_end - t0, "pull_bytes": op["pull_bytes"],
                     "parked": op.get("parked", []), "ranks": rank_memory(srv, op.get("parked", [])),
-                    "completions": load.completions, "greedy_mismatches": len(load.mismatches),
+                    "completions": len(load.results), "greedy_mismatches": len(load.changed()),
                     "client_errors": len(load.errors),
                 })
                 r = rows[-1]
@@ -167,7 +135,7 @@ def run_mode(mode: str, args) -> list[dict]:
                       file=sys.stderr)
                 time.sleep(args.settle_s)
         # Counted in every row and shown here; the numbers are kept either way.
-        for m in load.errors[:5] + load.mismatches[:5]:
+        for m in [f"prompt {p}: {err}" for p, err in load.errors[:5]] + load.changed()[:5]:
             print(f"mode {mode}: {m}", file=sys.stderr)
     finally:
         srv.stop()

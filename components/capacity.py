@@ -7,6 +7,7 @@ exist (a local process, a restored snapshot, a Kubernetes pod) is the provider's
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -26,6 +27,10 @@ class CapacityProvider(Protocol):
     async def acquire(self, ranks: list[int], op: str, fault: str = "") -> dict[int, str]:
         """Bring up a joining worker for each rank: restore a parked one, or start a process
         (from a matching baked snapshot, else cold). Returns rank -> "parked" | "snapshot" | "cold"."""
+
+    @property
+    def checkpoints_parked(self) -> bool:
+        """park() checkpoints the CUDA state of the rank (which must hold no transport state)."""
 
     async def park(self, rank: int, pid: int, op: str) -> None:
         """Keep a rank that left the group for the next scale-up (its process stays, holding no
@@ -53,11 +58,17 @@ class LocalProvider:
         self.parked: dict[int, tuple[int, bool]] = {}  # rank -> (pid, CUDA state checkpointed)
         self._pumps: dict[int, asyncio.Task] = {}
 
+    @functools.cached_property
+    def checkpoints_parked(self) -> bool:
+        from snapshot import cuda_checkpoint
+
+        return self.checkpoint_parked and self.wcfg.device == "cuda" and cuda_checkpoint.available()[0]
+
     async def park(self, rank: int, pid: int, op: str) -> None:
         from snapshot import cuda_checkpoint
 
         checkpointed = False
-        if self.checkpoint_parked and self.wcfg.device == "cuda" and cuda_checkpoint.available()[0]:
+        if self.checkpoints_parked:
             t = await asyncio.to_thread(cuda_checkpoint.checkpoint, pid)
             checkpointed = True
             log.info("[op %s] Worker.%d parked, CUDA state checkpointed in %.3f s", op, rank, sum(t.values()))

@@ -129,6 +129,8 @@ class KubernetesProvider:
             self._watch = asyncio.create_task(self._watch_pods())
         return {r: "cold" for r in ranks}
 
+    checkpoints_parked = False
+
     async def park(self, rank: int, pid: int, op: str) -> None:
         # A pod cannot be parked from here (its node would need the checkpoint agent): it goes.
         log.info("[op %s] rank %d: pods are not parked; releasing it", op, rank)

@@ -94,8 +94,10 @@ class Exit(msgspec.Struct, tag="exit"):
 
 class Park(msgspec.Struct, tag="park"):
     """Leave the group but stay alive and registered, holding no weights: the next scale-up
-    restores this process instead of starting one (the parked snapshot tier)."""
+    restores this process instead of starting one (the parked snapshot tier). `checkpoint`: its
+    CUDA state is checkpointed next, so it drops its NIXL agents too (Restore brings new ones)."""
 
+    checkpoint: bool = False
     op: str = "-"
 
 

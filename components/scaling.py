@@ -315,7 +315,8 @@ class Operation:
         self.transition(Phase.CLEANUP, f"ranks {self.leaving} disconnect and {'park' if park else 'exit'}")
         await self.call(remaining, lambda r: Disconnect(ranks=self.leaving))
         if park:
-            await self.call(self.leaving, lambda r: Park(op=self.id))
+            checkpoint = self.scaler.provider.checkpoints_parked
+            await self.call(self.leaving, lambda r: Park(checkpoint=checkpoint, op=self.id))
             for r in self.leaving:
                 await self.scaler.provider.park(r, svc.status[r].pid, self.id)
             self.record.parked = list(self.leaving)

@@ -335,18 +335,23 @@ class RankServer:
             return await self._drain(msg)
         elif isinstance(msg, Park):
             await self.relays_finished(msg.op)
-            # No NIXL agent survives parking: a CUDA checkpoint then finds no transport state
-            # (UCX streams, events, peer connections) to save, and peers hold no stale endpoint.
-            await asyncio.to_thread(e.comm.suspend)
-            await asyncio.to_thread(self.store.close)
+            await asyncio.to_thread(e.comm.disconnect, [r for r in e.comm.connected if r != self.rank])
+            if msg.checkpoint:
+                # No NIXL agent survives into a CUDA checkpoint: it then finds no transport state
+                # (UCX streams, events, peer connections) to save. A warm parked process keeps
+                # its agents, which spares its restore new UCX connections.
+                await asyncio.to_thread(e.comm.suspend)
+                await asyncio.to_thread(self.store.close)
             if e.arena is not None:
                 await on_loop(e.release_memory)
-            self.life.transition(RankState.PARKED, "out of the group, weights dropped, NIXL agents closed", msg.op)
+            self.life.transition(RankState.PARKED, "out of the group, weights dropped"
+                                 + (", NIXL agents closed" if msg.checkpoint else ""), msg.op)
         elif isinstance(msg, Restore):
             if e.arena is not None:
                 await on_loop(e.restore_memory)
-            await asyncio.to_thread(e.comm.resume)
-            await asyncio.to_thread(self.open_store)
+            if self.store.closed:
+                await asyncio.to_thread(e.comm.resume)
+                await asyncio.to_thread(self.open_store)
             self.life.transition(RankState.RESTORED, "unparked", msg.op)
         elif isinstance(msg, Exit):
             await self.relays_finished(msg.op)

@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -114,17 +115,23 @@ class Server:
     def topology(self) -> dict:
         return self.ctl.get("/topology").json()
 
-    def stream_text(self, prompt: list[int], max_tokens: int) -> str:
-        """Greedy streaming completion of a token-id prompt; returns the generated text."""
+    def stream_text(self, prompt: list[int], max_tokens: int,
+                    on_chunk: Callable[[float, float | None], None] | None = None) -> str:
+        """Greedy streaming completion of a token-id prompt; returns the generated text.
+        `on_chunk(arrival time, gap since the previous chunk of this stream or None)`."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True}
-        text = []
+        text, last = [], None
         with self.http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                if on_chunk is not None:
+                    now = time.time()
+                    on_chunk(now, None if last is None else now - last)
+                    last = now
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {chunk['error']}")
@@ -183,10 +190,12 @@ def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 1
 
 class Traffic:
     """Clients streaming greedy completions of `prompts` until stopped; every request is recorded
-    as (prompt index, text, start, end), every failure as (prompt index, error)."""
+    as (prompt index, text, start, end), every failure as (prompt index, error). `on_chunk` sees
+    every streamed chunk (Server.stream_text)."""
 
-    def __init__(self, srv: Server, prompts: list[list[int]], max_tokens: int, clients: int = 4):
-        self.srv, self.prompts, self.max_tokens = srv, prompts, max_tokens
+    def __init__(self, srv: Server, prompts: list[list[int]], max_tokens: int, clients: int = 4,
+                 on_chunk: Callable[[float, float | None], None] | None = None):
+        self.srv, self.prompts, self.max_tokens, self.on_chunk = srv, prompts, max_tokens, on_chunk
         self.results, self.errors = [], []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
@@ -198,7 +207,7 @@ class Traffic:
             k += len(self.threads)
             t0 = time.time()
             try:
-                text = self.srv.stream_text(self.prompts[p], self.max_tokens)
+                text = self.srv.stream_text(self.prompts[p], self.max_tokens, self.on_chunk)
                 self.results.append((p, text, t0, time.time()))
             except Exception as e:  # recorded: tests assert there are none
                 self.errors.append((p, repr(e)))

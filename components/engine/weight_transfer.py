@@ -396,6 +396,10 @@ class WeightStore:
     # ------------------------------------------------------------------ source side
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def num_regions(self) -> int:
         return len(self._regions)
 
