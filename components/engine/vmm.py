@@ -17,7 +17,7 @@ KV cache into one arena; call it before any CUDA graph is captured.
 Sharing. CUDA IPC handles (cudaIpcGetMemHandle, torch's storage sharing) do not cover VMM
 memory, and UCX moved VRAM between two processes of one GPU at 0.5 GB/s here, so an arena lends
 its memory itself: `VmmExporter` hands each connecting process of the same user one POSIX file
-descriptor per chunk (SCM_RIGHTS over an abstract Unix socket), and `import_shared` maps them into
+descriptor per chunk (SCM_RIGHTS over an abstract Unix socket), and `VmmImport` maps them into
 the importer, which then copies at device-copy speed. The exporter's own mapping is untouched; an
 importer's mapping keeps the physical memory alive until it closes it, so it must close before the
 exporter may count on a release having freed anything.
