@@ -52,8 +52,9 @@ def single_rank(path, device="cpu", max_len=256, **kw):
     return eng
 
 
-def generate(eng, prompts, max_tokens: int, **kw) -> tuple[list[list[int]], list[str]]:
-    """Submit every prompt at once to a started engine; (tokens, finish reasons) per prompt."""
+def submit_all(eng, prompts, max_tokens: int, **kw):
+    """Submit every prompt at once; returns wait(timeout_s) -> (tokens, finish reasons) per prompt.
+    Submitting to a paused engine puts every prompt into its first step after the resume."""
     from components.engine.request import GenerateRequest
 
     outs, ends, done = {}, {}, threading.Event()
@@ -67,5 +68,14 @@ def generate(eng, prompts, max_tokens: int, **kw) -> tuple[list[list[int]], list
 
     for i, p in enumerate(prompts):
         eng.submit(GenerateRequest(str(i), p, max_tokens=max_tokens, **kw), emit)
-    assert done.wait(120), f"only {len(ends)} of {len(prompts)} requests finished"
-    return [outs[str(i)] for i in range(len(prompts))], [ends[str(i)] for i in range(len(prompts))]
+
+    def wait(timeout_s: float) -> tuple[list[list[int]], list[str]]:
+        assert done.wait(timeout_s), f"only {len(ends)} of {len(prompts)} requests finished"
+        return [outs[str(i)] for i in range(len(prompts))], [ends[str(i)] for i in range(len(prompts))]
+
+    return wait
+
+
+def generate(eng, prompts, max_tokens: int, **kw) -> tuple[list[list[int]], list[str]]:
+    """Submit every prompt at once to a started engine; (tokens, finish reasons) per prompt."""
+    return submit_all(eng, prompts, max_tokens, **kw)(120)

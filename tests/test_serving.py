@@ -165,19 +165,26 @@ def test_completion_matches_reference(stack: Stack) -> None:
         exp.check_usage(c.usage)
 
 
-def test_completion_stream_matches_reference(stack: Stack) -> None:
-    prompt = PROMPTS[2]
-    exp = stack.expected[prompt]
-    stream = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                             stream=True, stream_options={"include_usage": True})
+def collect(stream, piece) -> tuple[str, str | None, object, int]:
+    """(text, finish reason, usage, choice chunks) of an OpenAI stream; `piece(choice)` is a
+    chunk's text (completions and chat deltas keep it in different places)."""
     text, finish, usage, chunks = "", None, None, 0
     for ch in stream:
         if ch.usage is not None:
             usage = ch.usage
         for choice in ch.choices:
             chunks += 1
-            text += choice.text or ""
+            text += piece(choice) or ""
             finish = choice.finish_reason or finish
+    return text, finish, usage, chunks
+
+
+def test_completion_stream_matches_reference(stack: Stack) -> None:
+    prompt = PROMPTS[2]
+    exp = stack.expected[prompt]
+    stream = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                             stream=True, stream_options={"include_usage": True})
+    text, finish, usage, chunks = collect(stream, lambda choice: choice.text)
     assert chunks > 1, "not streamed"
     assert text == exp.text, (prompt, exp.tokens)
     assert finish == exp.openai_finish
@@ -200,14 +207,7 @@ def test_chat_stream_matches_reference(stack: Stack) -> None:
     stream = stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
                                                   temperature=0, stream=True,
                                                   stream_options={"include_usage": True})
-    text, finish, usage, chunks = "", None, None, 0
-    for ch in stream:
-        if ch.usage is not None:
-            usage = ch.usage
-        for choice in ch.choices:
-            chunks += 1
-            text += choice.delta.content or ""
-            finish = choice.finish_reason or finish
+    text, finish, usage, chunks = collect(stream, lambda choice: choice.delta.content)
     assert chunks > 1, "not streamed"
     assert text == exp.text, (messages, exp.tokens)
     assert finish == exp.openai_finish

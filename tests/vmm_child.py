@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 import traceback
 
@@ -23,10 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from components.engine.rank import EngineRank, RankConfig  # noqa: E402
-from components.engine.request import GenerateRequest  # noqa: E402
 from components.engine.weight_transfer import WeightStore  # noqa: E402
+from tests.reference import PROMPTS, submit_all  # noqa: E402
 
-PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [100, 17, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7, 7, 90, 91]]
 
 
 class LocalComm:
@@ -84,22 +82,11 @@ def say(**msg) -> None:
 def generate(eng: EngineRank, max_new: int) -> list[list[int]]:
     """Every prompt in the same first step (submitted while paused), greedy; leaves it paused."""
     eng.pause().result(60)
-    outs, ends, done = {}, {}, threading.Event()
-
-    def emit(o):
-        outs.setdefault(o.request_id, []).extend(o.token_ids)
-        if o.finish_reason:
-            ends[o.request_id] = o.finish_reason
-            if len(ends) == len(PROMPTS):
-                done.set()
-
-    for i, p in enumerate(PROMPTS):
-        eng.submit(GenerateRequest(str(i), p, max_tokens=max_new, ignore_eos=True), emit)
+    wait = submit_all(eng, PROMPTS, max_new, ignore_eos=True)
     eng.resume().result(60)
-    if not done.wait(300):
-        raise TimeoutError(f"only {len(ends)} of {len(PROMPTS)} requests finished")
+    tokens, _ = wait(300)
     eng.pause().result(60)
-    return [outs[str(i)] for i in range(len(PROMPTS))]
+    return tokens
 
 
 def state(eng: EngineRank) -> dict:
