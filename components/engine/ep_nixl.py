@@ -407,7 +407,8 @@ class NixlCommunicator:
 
     def all_to_all(self, send: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """See EPCommunicator.all_to_all. After an EPError the current epoch is out of step: install
-        a new epoch (set_active) before the next collective. Output tensors are on `self.device`."""
+        a new epoch (set_active) before the next collective. Peers' data comes back on `self.device`;
+        this rank's own slice stays on the device it was sent from (it never leaves the process)."""
         with self._lock:
             self._check_open()
             active = self._active
@@ -469,7 +470,7 @@ class NixlCommunicator:
     def _local_copy(self, t: torch.Tensor | None) -> torch.Tensor:
         if t is None:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return torch.empty(t.numel(), dtype=torch.uint8, device=self.device).copy_(t)
+        return t.clone()
 
     def _post(self, remotes, sizes, epoch, seq, parity, handles) -> None:
         agent, nb, cap, mr = self._agent, self._nb, self.capacity_bytes, self.max_ranks
