@@ -97,14 +97,9 @@ class Faults(msgspec.Struct, frozen=True):
 
 def rank_config(c: Worker.Config, rank: int):
     """The engine configuration of rank `rank` under this worker configuration."""
-    import torch
+    from components.engine.rank import RankConfig, rank_device
 
-    from components.engine.rank import RankConfig
-
-    device = c.device
-    if device == "cuda":
-        device = f"cuda:{rank % max(1, torch.cuda.device_count())}"
-    return RankConfig(rank=rank, max_ranks=c.max_ranks, device=device, dtype=c.dtype, max_seqs=c.max_seqs,
+    return RankConfig(rank=rank, max_ranks=c.max_ranks, device=rank_device(c.device, rank), dtype=c.dtype, max_seqs=c.max_seqs,
                       max_len=c.max_len, max_batched_tokens=c.max_batched_tokens, min_ranks=c.min_ranks,
                       vmm=c.vmm)
 

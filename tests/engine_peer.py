@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 
-from components.engine.rank import EngineRank, RankConfig
+from components.engine.rank import EngineRank, RankConfig, rank_device
 from components.engine.request import GenerateRequest
 from tests.peers import wait_for, write
 
@@ -25,8 +25,8 @@ def main() -> None:
     args = ap.parse_args()
     plan = json.loads((args.dir / "plan.json").read_text())
     rank, world, d = args.rank, plan["world"], args.dir
-    eng = EngineRank(RankConfig(rank=rank, max_ranks=world, device=plan.get("device", "cpu"), max_len=256,
-                                min_ranks=plan.get("min_ranks", 1), ep_timeout_s=60), plan["model"])
+    eng = EngineRank(RankConfig(rank=rank, max_ranks=world, device=rank_device(plan.get("device", "cpu"), rank),
+                                max_len=256, min_ranks=plan.get("min_ranks", 1), ep_timeout_s=60), plan["model"])
     write(d / f"meta{rank}", eng.comm.metadata())
     wait_for([d / f"meta{r}" for r in range(world)])
     eng.comm.connect({r: (d / f"meta{r}").read_bytes() for r in range(world) if r != rank})

@@ -128,6 +128,55 @@ def test_active_set_changes_in_place(tmp_path, device):
             assert reports[r][1]["replays"] > reports[r][0]["replays"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dispatch_follows_the_device_ep_mask(tmp_path, device):
+    """Rank 0 of 2, experts placed on both, rank 1 not active: routing reads the device mask, so
+    pairs for rank 1 are held back (an error outside warmup, dropped in masked warmup), padding
+    rows are neither sent nor counted as load, and the mask keeps its address when the set changes."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from components.engine.expert_map import balanced_placement
+
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), device, max_ranks=2)
+    mc, R = eng.model_config, 2
+    eng.expert_map.install(balanced_placement(mc.num_layers, mc.num_experts, R, eng.slots_per_rank, [0, 1]))
+    ep, (layer, moe) = eng.model.ep, eng.model.moe_layers[0]
+    ep.sync_mask()
+    mask_at = ep.mask.data_ptr()
+    assert ep.mask.tolist() == [True, False]
+
+    torch.manual_seed(0)
+    x = torch.randn(6, mc.hidden_size, device=eng.device)
+    valid = torch.tensor([True] * 4 + [False] * 2, device=eng.device)
+    moe.load.zero_()
+    d = moe.dispatch(x, valid)
+    _, experts = moe.route(x)
+    dest = eng.expert_map.route(layer, experts) // eng.slots_per_rank
+    to_1 = int((dest[:4] == 1).sum())
+    assert 0 < to_1 < 8
+    assert d.counts.tolist() == [8 - to_1, 0, to_1, 4]  # rank 0, rank 1, masked, padding
+    assert moe.load.sum().item() == 8  # the 4 real rows' pairs, not the padding's
+    out = torch.full((12, mc.hidden_size), 7.0, device=eng.device)
+    with pytest.raises(RuntimeError, match=rf"layer {layer}: expert map routes {to_1} \(token, expert\) pairs "
+                                           r"to ranks outside the active set \[0\]"):
+        moe.exchange(d, out)
+
+    ep.masked_warmup = True
+    moe.exchange(d, out)
+    n0 = 8 - to_1
+    assert (out[n0:] == 0).all()  # masked and padding pairs: nothing came back
+    for i in range(n0):  # rank 0's pairs: its own experts' output, row by row
+        s = int(d.local[i])
+        h = d.rows[i : i + 1]
+        want = (torch.nn.functional.silu(h @ moe.w_gate[s].T) * (h @ moe.w_up[s].T)) @ moe.w_down[s].T
+        torch.testing.assert_close(out[i : i + 1], want)
+
+    eng.comm.set_active([], 1)
+    ep.sync_mask()
+    assert ep.mask.tolist() == [False, False] and ep.mask.data_ptr() == mask_at
+    eng.comm.close()
+
+
 def test_bad_requests_are_refused_with_the_reason(tmp_path):
     eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"))
     cases = [

@@ -1,11 +1,13 @@
 """Piecewise CUDA graphs for decode.
 
 The EP all-to-all is driven from the host (variable sizes, notifications), so it cannot live in a
-graph. A decode step is therefore captured as segments that end in front of each expert-parallel
-feed-forward: [embed, attend 0] -> MoE 0 (eager) -> [residual, attend 1] -> ... -> [norm, lm_head].
-Dense feed-forwards stay inside their segment. One set per batch size, captured once; every input
-is a static buffer that is copied into, and the graphs read the expert map, expert slots, KV
-cache and weights at fixed addresses, so new placements and weights need no recapture.
+graph. A decode step is therefore captured as segments split at each expert-parallel feed-forward,
+and only the exchange runs eagerly between them: [embed, attend 0, dispatch 0] -> exchange 0 ->
+[combine 0, residual, attend 1, dispatch 1] -> ... -> [combine, norm, lm_head]. Routing, the EP
+mask, the sort by destination and the combine are inside the graphs; dense feed-forwards stay in
+their segment. One set per batch size, captured once; every input is a static buffer that is
+copied into, and the graphs read the EP mask, expert map, expert slots, KV cache and weights at
+fixed addresses, so new members, placements and weights need no recapture.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import torch
 
 from components.engine.layers import ForwardBatch, KVCache
+from components.engine.moe import Dispatch
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +34,20 @@ class DecodeGraphs:
         self.pos = torch.zeros(B, dtype=torch.int64, device=dev)
         self.slots = torch.full((B,), scratch_slot, dtype=torch.int64, device=dev)
         self.ctx = torch.ones(B, dtype=torch.int64, device=dev)
+        self.valid = torch.zeros(B, dtype=torch.bool, device=dev)  # real rows; padding is never dispatched
         blocks = list(model.model.layers)
         self.cuts = [i for i, b in enumerate(blocks) if b.moe is not None]
-        # One (h, ffn output) buffer pair per MoE block: the eager MoE reads n, writes y.
+        self.moes = [blocks[i].moe for i in self.cuts]
+        # Per MoE block: the residual h and the normed input n, kept for the combine, and y, the
+        # exchange's output rows in dispatch order.
         self.h = [torch.zeros(B, H, dtype=dtype, device=dev) for _ in self.cuts]
         self.n = [torch.zeros(B, H, dtype=dtype, device=dev) for _ in self.cuts]
-        self.y = [torch.zeros(B, H, dtype=dtype, device=dev) for _ in self.cuts]
+        self.y = [torch.zeros(B * m.top_k, H, dtype=dtype, device=dev) for m in self.moes]
         self.logits = torch.zeros(B, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # Each segment's dispatch layout, by batch size: tensors a graph wrote during capture live
+        # at fixed addresses in its pool, so the eager exchange and the next segment read them.
+        self.dispatch: dict[int, list[Dispatch | None]] = {}
         self.captures = 0
         self.replays = 0  # decode steps served by graphs
         self.pool = None
@@ -57,18 +66,21 @@ class DecodeGraphs:
         """Closures, one per segment, each reading and writing only static buffers."""
         m, batch, blocks = self.model, self._batch(b), list(self.model.model.layers)
         bounds = [-1, *self.cuts, len(blocks)]
+        layouts = self.dispatch.setdefault(b, [None] * len(self.cuts))
 
         def segment(k):
             def run():
                 if k == 0:
                     x = m.model.embed_tokens(batch.input_ids)
                 else:
-                    x = self.h[k - 1][:b] + self.y[k - 1][:b]
+                    moe = self.moes[k - 1]
+                    x = self.h[k - 1][:b] + moe.combine(self.n[k - 1][:b], layouts[k - 1], self.y[k - 1][: b * moe.top_k])
                 for i in range(bounds[k] + 1, bounds[k + 1] + (1 if k < len(self.cuts) else 0)):
                     h, n = blocks[i].attend(x, batch, self.kv)
                     if blocks[i].moe is not None:
                         self.h[k][:b].copy_(h)
                         self.n[k][:b].copy_(n)
+                        layouts[k] = blocks[i].moe.dispatch(self.n[k][:b], self.valid[:b])
                         return
                     x = h + blocks[i].ffn(n)
                 self.logits[:b].copy_(m.lm_head(m.model.norm(x)).float())
@@ -97,6 +109,7 @@ class DecodeGraphs:
     def recapture(self) -> None:
         """Capture every size again (what a design without graph reuse pays on each scale)."""
         self.graphs.clear()
+        self.dispatch.clear()
         self.pool = None  # the pool went with the last graph that used it
         for b in reversed(self.sizes):
             self._capture(b)
@@ -111,14 +124,17 @@ class DecodeGraphs:
         self.pos[:real].copy_(batch.positions)
         self.slots[:real].copy_(batch.slots)
         self.ctx[:real].copy_(batch.ctx_lens)
-        # Padded rows attend over one scratch token and never reach the MoE.
+        # Padded rows attend over one scratch token and are never dispatched.
         self.slots[real:b].fill_(self.scratch_slot)
         self.pos[real:b].zero_()
         self.ctx[real:b].fill_(1)
-        graphs = self.graphs[b]
+        self.valid[:real].fill_(True)
+        self.valid[real:b].fill_(False)
+        self.model.ep.sync_mask()
+        graphs, layouts = self.graphs[b], self.dispatch[b]
         self.replays += 1
-        for k, moe_block in enumerate(self.cuts):
+        for k, moe in enumerate(self.moes):
             graphs[k].replay()
-            self.y[k][:real].copy_(self.model.model.layers[moe_block].ffn(self.n[k][:real]))
+            moe.exchange(layouts[k], self.y[k][: b * moe.top_k])
         graphs[-1].replay()
         return self.logits[:real]

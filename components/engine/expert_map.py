@@ -77,7 +77,9 @@ class ExpertMap:
         self.replica_slots = torch.zeros(
             (num_layers, num_experts, self.max_replicas), dtype=torch.int64, device=device
         )
-        self.num_replicas = torch.zeros((num_layers, num_experts), dtype=torch.int64, device=device)
+        # Until a placement is installed every expert routes to slot 0: decode graphs are captured
+        # before the first placement and must index in bounds (a modulo by zero would not).
+        self.num_replicas = torch.ones((num_layers, num_experts), dtype=torch.int64, device=device)
         self.placement: Placement | None = None
 
     def install(self, placement: Placement) -> None:

@@ -5,9 +5,15 @@ Each rank holds `slots_per_rank` expert slots in fixed tensors; which logical ex
 slot comes from the ExpertMap, so a new placement only rewrites slot contents and map entries,
 never shapes or addresses. A dispatch row is the token's hidden state followed by the int32 local
 slot index on the destination; the combine reply carries the expert output rows in the same order.
+
+A layer runs in three steps so that CUDA graphs can hold two of them (see cuda_graphs):
+`dispatch` (device only: route, apply the EP mask, sort pairs by destination, gather rows),
+`exchange` (host-driven: the all_to_all, the local experts, the reply), `combine` (device only).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,19 +24,44 @@ from components.engine.expert_map import ExpertMap
 
 
 class ExpertParallel:
-    """What every MoE layer of a rank shares: the communicator and the expert map."""
+    """What every MoE layer of a rank shares: the communicator, the expert map and the EP mask."""
 
     def __init__(self, comm: EPCommunicator, expert_map: ExpertMap):
         self.comm, self.map = comm, expert_map
         self.rank = comm.rank
         self.slots_per_rank = expert_map.slots_per_rank
+        # The active set as the dispatch kernels read it, like nixl_ep's mask buffer: a device
+        # tensor at a fixed address, so captured graphs follow membership changes without a
+        # recapture. Pairs routed to a masked rank are not sent.
+        self.mask = torch.zeros(expert_map.max_ranks, dtype=torch.bool, device=expert_map.slot_to_expert.device)
+        self._mask_of: tuple[int, ...] | None = None
         # A joiner warming up alone (remote peers masked) drops the pairs routed to masked ranks,
         # as vLLM's mask_remote_ranks does; outside warmup such a route is a bug and raises.
         self.masked_warmup = False
 
+    def sync_mask(self) -> None:
+        """Bring the device mask up to the communicator's active set (before a step)."""
+        active = self.comm.active
+        if active != self._mask_of:
+            m = torch.zeros_like(self.mask, device="cpu")
+            m[list(active)] = True
+            self.mask.copy_(m)
+            self._mask_of = active
+
+
+class Dispatch(NamedTuple):
+    """One layer's dispatch layout, on the device. Pairs are (token, expert choice) in the order
+    they are sent: by destination rank, then pairs to masked ranks, then pairs of padding rows."""
+
+    weights: torch.Tensor  # [T, k] routing weights
+    order: torch.Tensor  # [T*k] pair index (token * k + choice) at each position
+    rows: torch.Tensor  # [T*k, H] the token row of each position
+    local: torch.Tensor  # [T*k] int32 slot on the destination rank
+    counts: torch.Tensor  # [max_ranks + 2] pairs per destination, then masked, then padding
+
 
 def _pack(x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    return torch.cat((x.contiguous().view(torch.uint8).flatten(), local.to(torch.int32).view(torch.uint8)))
+    return torch.cat((x.contiguous().view(torch.uint8).flatten(), local.view(torch.uint8)))
 
 
 def _unpack(buf: torch.Tensor, hidden: int, dtype: torch.dtype, src: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,45 +111,65 @@ class SparseMoE(nn.Module):
             out[rows] = h @ self.w_down[s].T
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T, k, S = x.shape[0], self.top_k, self.ep.slots_per_rank
-        comm = self.ep.comm
+    def dispatch(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> Dispatch:
+        """Device only (no host sync), so a graph can capture it. `valid` marks real rows of a
+        padded batch; padding rows are routed but neither sent nor counted as load."""
+        T, k, S, R = x.shape[0], self.top_k, self.ep.slots_per_rank, self.ep.map.max_ranks
         weights, experts = self.route(x)
-        self.load.index_add_(0, experts.flatten(), torch.ones_like(experts.flatten()))
+        pair_valid = (valid.unsqueeze(1).expand(T, k).flatten() if valid is not None
+                      else torch.ones(T * k, dtype=torch.bool, device=x.device))
+        self.load.index_add_(0, experts.flatten(), pair_valid.to(torch.int64))
         slots = self.ep.map.route(self.layer, experts).flatten()
         dest = slots // S
-        order = torch.argsort(dest, stable=True)
-        tokens = order // k
-        counts = torch.bincount(dest, minlength=self.ep.map.max_ranks).tolist()
-        active = comm.active
+        key = torch.where(self.ep.mask[dest], dest, R)
+        key = torch.where(pair_valid, key, R + 1)
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(R + 2, dtype=torch.int64, device=x.device).index_add_(0, key, torch.ones_like(key))
+        local = (slots[order] % S).to(torch.int32)
+        return Dispatch(weights, order, x[order // k], local, counts)
+
+    def exchange(self, d: Dispatch, out: torch.Tensor) -> None:
+        """Host-driven: send each destination its run of rows, compute the rows sent here, and
+        write the replies into `out` ([T*k, H]) in dispatch order, zeros for pairs not sent."""
+        comm, R = self.ep.comm, self.ep.map.max_ranks
+        counts = d.counts.tolist()
+        if counts[R] and not self.ep.masked_warmup:
+            raise RuntimeError(f"layer {self.layer}: expert map routes {counts[R]} (token, expert) pairs to ranks "
+                               f"outside the active set {list(comm.active)}")
         sends, starts, off = {}, {}, 0
-        for r in range(len(counts)):
-            if counts[r] and r not in active and not self.ep.masked_warmup:
-                raise RuntimeError(f"layer {self.layer}: expert map routes tokens to inactive rank {r}")
-            if r in active:
-                idx = order[off : off + counts[r]]
+        for r in range(R):
+            if counts[r]:
                 starts[r] = off
-                sends[r] = _pack(x[tokens[off : off + counts[r]]], slots[idx] % S)
-            off += counts[r]
+                sends[r] = _pack(d.rows[off : off + counts[r]], d.local[off : off + counts[r]])
+                off += counts[r]
         # The communicator may hand back host memory (see rank.nixl_comm).
-        received = {r: t.to(x.device) for r, t in comm.all_to_all(sends).items()}
+        received = {r: t.to(out.device) for r, t in comm.all_to_all(sends).items()}
 
         srcs = sorted(received)
-        parts = [_unpack(received[r], self.hidden, x.dtype, r) for r in srcs]
-        rows = torch.cat([p[0] for p in parts]) if parts else x.new_zeros(0, self.hidden)
+        parts = [_unpack(received[r], self.hidden, out.dtype, r) for r in srcs]
+        rows = torch.cat([p[0] for p in parts]) if parts else out.new_zeros(0, self.hidden)
         local = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0, dtype=torch.int32)
         y = self.experts(rows, local.to(rows.device))
-        replies, off = {}, 0
+        replies, pos = {}, 0
         for r, (xs, _) in zip(srcs, parts):
-            replies[r] = y[off : off + xs.shape[0]].contiguous().view(torch.uint8).flatten()
-            off += xs.shape[0]
-        back = {r: t.to(x.device) for r, t in comm.all_to_all(replies).items()}
+            replies[r] = y[pos : pos + xs.shape[0]].contiguous().view(torch.uint8).flatten()
+            pos += xs.shape[0]
+        back = comm.all_to_all(replies)
+        for r, start in starts.items():
+            out[start : start + counts[r]] = back[r].to(out.device).view(out.dtype).view(-1, self.hidden)
+        out[off:].zero_()
 
-        out_sorted = torch.zeros(T * k, self.hidden, dtype=x.dtype, device=x.device)
-        for r in active:
-            if counts[r]:
-                out_sorted[starts[r] : starts[r] + counts[r]] = back[r].view(x.dtype).view(-1, self.hidden)
-        per_pair = torch.empty_like(out_sorted)
-        per_pair[order] = out_sorted
+    def combine(self, x: torch.Tensor, d: Dispatch, out: torch.Tensor) -> torch.Tensor:
+        """Device only. `x` is the layer input (for layers that add a dense part)."""
+        T, k = d.weights.shape
+        per_pair = torch.empty_like(out)
+        per_pair[d.order] = out
         # A fixed summation order over k, whichever ranks computed the pairs.
-        return (per_pair.view(T, k, self.hidden) * weights.unsqueeze(-1)).sum(dim=1)
+        return (per_pair.view(T, k, self.hidden) * d.weights.unsqueeze(-1)).sum(dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ep.sync_mask()
+        d = self.dispatch(x)
+        out = x.new_empty(x.shape[0] * self.top_k, self.hidden)
+        self.exchange(d, out)
+        return self.combine(x, d, out)

@@ -14,9 +14,9 @@ class Qwen2MoeSparse(SparseMoE):
         self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x):
+    def combine(self, x, d, out):
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return super().forward(x) + shared
+        return super().combine(x, d, out) + shared
 
 
 class Qwen2MoeBlock(DecoderBlock):

@@ -54,6 +54,13 @@ class RankConfig(msgspec.Struct, frozen=True):
     vmm: bool = False  # CUDA: weights, expert slots and KV in one VMM arena (release_memory/restore_memory)
 
 
+def rank_device(device: str, rank: int) -> str:
+    """Where rank `rank` runs: "cuda" spreads ranks over the visible GPUs (rank r on GPU r % n)."""
+    if device == "cuda":
+        return f"cuda:{rank % max(1, torch.cuda.device_count())}"
+    return device
+
+
 def expert_slot_name(layer: int, slot: int, part: str) -> str:
     return f"experts.{layer}.{slot}.{part}"
 
@@ -76,6 +83,12 @@ class EngineRank:
         mc = self.model_config = self.ckpt.config
         self.dtype = DTYPES[cfg.dtype or mc.dtype]
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            # Graph capture and replay, streams and syncs without a device argument use the
+            # thread's current device; the loop thread sets it too.
+            torch.cuda.set_device(self.device)
         if cfg.max_len > mc.max_position_embeddings:
             raise ValueError(f"max_len {cfg.max_len} exceeds the model's {mc.max_position_embeddings} positions")
         self.slots_per_rank = min(mc.num_experts, slots_needed(mc.num_experts, cfg.min_ranks, cfg.redundant_experts))
@@ -303,6 +316,8 @@ class EngineRank:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         while not self._stop:
             self._drain()
             if not self._paused and self._pause_wanted and self.cfg.rank not in self.comm.active:

@@ -680,7 +680,8 @@ class WeightStore:
                 st = torch.UntypedStorage._new_shared_cuda(g.device, g.handle, g.size, g.offset, g.ref_counter_handle,
                                                            g.ref_counter_offset, g.event_handle or None,
                                                            g.event_sync_required)
-                self._opened[key] = (torch.empty(0, dtype=torch.uint8, device=self.device).set_(st), None)
+                # On the source's GPU, which may be another one of this node's: the copy then goes peer to peer.
+                self._opened[key] = (torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", g.device)).set_(st), None)
         return self._opened[key][0]
 
     def _close_opened(self, agent: str | None = None) -> None:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU runs behind the H200 numbers in bench/results (*_h200*.json), one step at a time:
+#   bench/gpu_run.sh tests pull scale
+# tests: every gpu-marked test; pull: bench.weight_pull with 8 GB on one GPU, and from a second GPU
+# when there is one; scale: bench.scale (A, B, C, D, restart) on a 5.4 GiB Mixtral-shaped model,
+# rank r on GPU r % (GPUs). Results go to $OUT (default bench/results). Needs torch with CUDA, and
+# nixl-cu13, msgspec and ai-dynamo-runtime importable.
+set -uo pipefail
+OUT=${OUT:-bench/results}
+PY=${PYTHON:-python3}
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
+suffix=$([ "$gpus" -gt 1 ] && echo "_x$gpus" || echo "")
+rc=0
+for step in "$@"; do
+    echo "=== $step ($gpus GPUs) $(date -u +%T)"
+    case $step in
+    tests)  # files named ($TESTS narrows them): collecting all of tests/ needs the client packages
+        $PY -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu_elastic.py tests/test_engine.py \
+            tests/test_ep_nixl.py tests/test_weight_transfer.py tests/test_vmm.py tests/test_snapshot.py} || rc=1 ;;
+    pull)
+        $PY -m bench.weight_pull --mb 8192 --paths cuda-ipc,vmm-map --out "$OUT/weight_pull_h200.json" || rc=1
+        if [ "$gpus" -gt 1 ]; then
+            $PY -m bench.weight_pull --mb 8192 --paths cuda-ipc,vmm-map --device cuda:0 --src-device cuda:1 \
+                --out "$OUT/weight_pull_h200_cross_gpu.json" || rc=1
+        fi ;;
+    scale)
+        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        modes=${MODES:-A,B,C}
+        restart=$([[ $modes == *C* ]] || echo --no-restart)
+        $PY -m bench.scale --modes "$modes" $restart --out "$OUT/scale_h200${suffix}_${modes//,/}.json" -- --Worker.model=/tmp/mxl \
+            --Worker.device=cuda --Worker.dtype=bfloat16 --Worker.min_ranks=2 --Worker.max_seqs=8 \
+            --Worker.vmm=true --Router.checkpoint_parked=true --Router.prepare_timeout_s=300 || rc=1 ;;
+    *) echo "unknown step $step (tests, pull, scale)"; exit 2 ;;
+    esac
+done
+exit $rc
