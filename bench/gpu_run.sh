@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The GPU runs behind the H200 numbers in bench/results (*_h200*.json), one step at a time:
-#   bench/gpu_run.sh tests pull scale
-# tests: every gpu-marked test; pull: bench.weight_pull with 8 GB on one GPU, and from a second GPU
-# when there is one; scale: bench.scale (A, B, C, D, restart) on a 5.4 GiB Mixtral-shaped model,
-# rank r on GPU r % (GPUs). Results go to $OUT (default bench/results). Needs torch with CUDA, and
-# nixl-cu13, msgspec and ai-dynamo-runtime importable.
+#   bench/gpu_run.sh tests pull scale handover
+# tests:    every gpu-marked test ($TESTS narrows the files).
+# pull:     bench.weight_pull with 8 GB on one GPU, and from a second GPU when there is one.
+# scale:    bench.scale, modes $MODES (default A,B,C; D and the restart come with C), on a 5.4 GiB
+#           Mixtral-shaped model, rank r on GPU r % GPUs. A device call of 10 minutes holds C or
+#           A,B but not all three.
+# handover: bench.handover (recompute against replay) on that model in bf16.
+# Results go to $OUT (default bench/results). Needs torch with CUDA, and nixl-cu13, msgspec and
+# ai-dynamo-runtime importable.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 PY=${PYTHON:-python3}
@@ -31,7 +35,10 @@ for step in "$@"; do
         $PY -m bench.scale --modes "$modes" $restart --out "$OUT/scale_h200${suffix}_${modes//,/}.json" -- --Worker.model=/tmp/mxl \
             --Worker.device=cuda --Worker.dtype=bfloat16 --Worker.min_ranks=2 --Worker.max_seqs=8 \
             --Worker.vmm=true --Router.checkpoint_parked=true --Router.prepare_timeout_s=300 || rc=1 ;;
-    *) echo "unknown step $step (tests, pull, scale)"; exit 2 ;;
+    handover)
+        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        $PY -m bench.handover --model /tmp/mxl --out "$OUT/handover_h200.json" || rc=1 ;;
+    *) echo "unknown step $step (tests, pull, scale, handover)"; exit 2 ;;
     esac
 done
 exit $rc

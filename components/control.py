@@ -80,8 +80,8 @@ class Warmup(msgspec.Struct, tag="warmup"):
 
 class Drain(msgspec.Struct, tag="drain"):
     """Let this rank's requests finish for up to `timeout_s`, then hand the rest over: each goes on
-    (prompt plus tokens so far) on one of `targets`, the generate instances of the remaining
-    ranks, its stream relayed through this rank."""
+    (prompt plus tokens so far, the latter replayed) on one of `targets`, the generate instances
+    of the remaining ranks, its stream relayed through this rank."""
 
     timeout_s: float
     targets: list[int] = []
@@ -133,6 +133,7 @@ class RankStatus(msgspec.Struct):
     requests_total: int
     expert_rows: int  # (token, expert) pairs computed here, for any rank
     graph_captures: int = 0  # decode graph sets captured since start (retained ranks never recapture)
+    replays_diverged: int = 0  # handed-over requests whose replay here did not reproduce their tokens
 
 
 class ControlReply(msgspec.Struct):

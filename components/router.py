@@ -86,6 +86,7 @@ class RankView(msgspec.Struct):
     requests_total: int
     expert_rows: int
     graph_captures: int
+    replays_diverged: int
     experts_layer0: list[int]
 
 
@@ -225,7 +226,8 @@ class RouterService:
             views.append(RankView(rank=r, pid=st.pid, instance_id=st.instance_id, state=st.state, routable=st.routable,
                                   paused=st.paused, epoch=st.epoch, steps=st.steps, running=st.running,
                                   waiting=st.waiting, requests_total=st.requests_total, expert_rows=st.expert_rows,
-                                  graph_captures=st.graph_captures, experts_layer0=[e for e in experts if e >= 0]))
+                                  graph_captures=st.graph_captures, replays_diverged=st.replays_diverged,
+                                  experts_layer0=[e for e in experts if e >= 0]))
         sc = self.scaler
         op = sc.current.record if sc and sc.current else (sc.history[-1] if sc and sc.history else None)
         return Topology(epoch=self.epoch, dp_size=len(self.active), max_ranks=self.wcfg.max_ranks,

@@ -130,6 +130,7 @@ def to_request(raw: dict[str, Any], max_len: int):
         seed=samp.get("seed"),
         stop_token_ids=list(stop.get("stop_token_ids_hidden") or []),
         ignore_eos=bool(stop.get("ignore_eos")),
+        replay=int(raw.get("replay") or 0),  # set by a rank handing the request over (hand_over)
     )
 
 
@@ -200,7 +201,7 @@ class RankServer:
             routable=self.routable.is_set(), steps=e.steps, state=self.life.state.name,
             load=[moe.load.tolist() for _, moe in e.model.moe_layers], running=len(e.sched.running),
             waiting=len(e.sched.waiting), requests_total=e.requests_total, expert_rows=e.expert_rows,
-            graph_captures=e.graphs.captures if e.graphs else 0,
+            graph_captures=e.graphs.captures if e.graphs else 0, replays_diverged=e.sched.replays_diverged,
         )
 
     async def generate(self, raw: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
@@ -234,7 +235,7 @@ class RankServer:
                 chunk: dict[str, Any] = {"token_ids": o.token_ids}
                 if o.finish_reason:
                     chunk["finish_reason"] = o.finish_reason
-                    chunk["completion_usage"] = usage(len(req.prompt), len(produced))
+                    chunk["completion_usage"] = usage(len(req.prompt) - req.replay, req.replay + len(produced))
                 yield chunk
                 if o.finish_reason:
                     return
@@ -245,16 +246,18 @@ class RankServer:
     async def hand_over(self, raw: dict[str, Any], req, produced: list[int],
                         instance_id: int) -> AsyncIterator[dict[str, Any]]:
         """Continue a request on a remaining rank's generate instance: its prompt plus the tokens
-        so far go there, and its stream comes back through this one, so the client never notices."""
+        so far go there, to be replayed as decode steps (GenerateRequest.replay), and its stream
+        comes back through this one, so the client never notices."""
         stop = dict(raw.get("stop_conditions") or {})
         stop["max_tokens"] = req.max_tokens - len(produced)
-        cont = {**raw, "token_ids": list(req.prompt) + produced, "stop_conditions": stop}
-        n = len(produced)
+        cont = {**raw, "token_ids": list(req.prompt) + produced, "stop_conditions": stop,
+                "replay": req.replay + len(produced)}
+        n = req.replay + len(produced)
         async for item in await self.gen_client.direct(cont, instance_id):
             chunk = dict(item.data())
             n += len(chunk.get("token_ids") or [])
             if chunk.get("finish_reason"):
-                chunk["completion_usage"] = usage(len(req.prompt), n)
+                chunk["completion_usage"] = usage(len(req.prompt) - req.replay, n)
             yield chunk
 
     async def control(self, raw: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:

@@ -150,7 +150,8 @@ def test_leaving_rank_hands_its_requests_over(server, reference):
         op = scale(server, 2, drain_timeout=0)
         time.sleep(1.0)
     assert op["phase"] == "done" and op["handed_over"] > 0, op
-    # Remaining ranks carried the handed-over requests on with their tokens so far.
+    # Remaining ranks carried the handed-over requests on, replaying their tokens so far.
     assert traffic.errors == []
     bad = [(p, toks, reference[p]) for p, toks, _, _ in traffic.results if toks != reference[p]]
     assert bad == []
+    assert [v["replays_diverged"] for v in server.topology()["ranks"]] == [0, 0, 0]

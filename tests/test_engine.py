@@ -177,6 +177,37 @@ def test_dispatch_follows_the_device_ep_mask(tmp_path, device):
     eng.comm.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_handed_over_request_replays_to_the_same_tokens(tmp_path, device):
+    """A request continued elsewhere after k tokens (prompt + those k, replay=k) takes the steps
+    the uninterrupted one took and continues with its tokens, greedy and seeded; in bf16 on a GPU
+    too, where a prefill over the k tokens would differ in the last bits and flip near-ties."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dtype = "bfloat16" if device == "cuda" else ""
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt", seed=3), device, dtype=dtype)
+    eng.start()
+    try:
+        for sampling in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}):
+            for p in PROMPTS:
+                steps = eng.steps
+                (whole,), _ = generate(eng, [p], MAX_NEW, ignore_eos=True, **sampling)
+                assert eng.steps - steps == MAX_NEW  # one prefill, then a decode per token
+                for k in (1, MAX_NEW // 2, MAX_NEW - 1):
+                    steps = eng.steps
+                    (rest,), _ = generate(eng, [p + whole[:k]], MAX_NEW - k, ignore_eos=True, replay=k, **sampling)
+                    assert rest == whole[k:], f"prompt {p}, handed over after {k} tokens, {sampling or 'greedy'}"
+                    assert eng.steps - steps == MAX_NEW
+        assert eng.sched.replays_diverged == 0
+        # Replaying tokens the model would not have produced is noticed, and the stream goes on.
+        (whole,), _ = generate(eng, [PROMPTS[0]], 4, ignore_eos=True)
+        wrong = [(t + 1) % eng.model_config.vocab_size for t in whole]
+        (rest,), ends = generate(eng, [PROMPTS[0] + wrong], 3, ignore_eos=True, replay=4)
+        assert len(rest) == 3 and ends == ["length"] and eng.sched.replays_diverged == 1
+    finally:
+        eng.stop()
+
+
 def test_bad_requests_are_refused_with_the_reason(tmp_path):
     eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"))
     cases = [
@@ -185,6 +216,7 @@ def test_bad_requests_are_refused_with_the_reason(tmp_path):
         (GenerateRequest("c", [1, 999], 4), "token ids [999] are outside the vocabulary (size 128)"),
         (GenerateRequest("d", [1], 0), "max_tokens must be at least 1"),
         (GenerateRequest("e", [1], 4, temperature=1.0, top_p=0.0), "top_p in (0, 1]"),
+        (GenerateRequest("f", [1, 2], 4, replay=2), "replay must leave at least one prompt token: 0 <= replay < 2, got 2"),
     ]
     for req, msg in cases:
         with pytest.raises(RequestError) as e:

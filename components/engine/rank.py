@@ -246,6 +246,8 @@ class EngineRank:
         bad = [t for t in req.prompt if not 0 <= t < V]
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (size {V})")
+        if not 0 <= req.replay < n:
+            raise RequestError(f"replay must leave at least one prompt token: 0 <= replay < {n}, got {req.replay}")
         if req.temperature < 0 or not 0 < req.top_p <= 1:
             raise RequestError(f"temperature must be >= 0 and top_p in (0, 1]; got {req.temperature}, {req.top_p}")
 
@@ -369,7 +371,7 @@ class EngineRank:
             logits = self.model(batch, self.kv)
         nxt: list[int | None] = []
         for i, (seq, n) in enumerate(work):
-            if seq.num_computed + n < len(seq.tokens):
+            if seq.num_computed + n < seq.sample_from:
                 nxt.append(None)
             else:
                 nxt.append(sample(logits[i], seq.req.temperature, seq.req.top_p, seq.generator))

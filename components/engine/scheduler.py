@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -10,6 +11,8 @@ import torch
 
 from components.engine.layers import ForwardBatch
 from components.engine.request import GenerateRequest, TokenOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -21,10 +24,20 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None
     generated: list[int] = field(default_factory=list)
+    replay_diverged: bool = False
 
     @property
-    def pending(self) -> int:
-        return len(self.tokens) - self.num_computed
+    def sample_from(self) -> int:
+        """Context length from which each step samples: the end of the original prompt."""
+        return len(self.req.prompt) - self.req.replay
+
+    @property
+    def step_tokens(self) -> int:
+        """Most tokens the next step may compute: the rest of the original prompt (prefill),
+        then one (decode, replayed tokens included)."""
+        if self.num_computed < self.sample_from:
+            return self.sample_from - self.num_computed
+        return min(1, len(self.tokens) - self.num_computed)
 
 
 class Scheduler:
@@ -34,6 +47,7 @@ class Scheduler:
         self.free_slots = list(range(max_seqs))[::-1]
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.replays_diverged = 0  # handed-over requests whose replay did not reproduce their tokens
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -52,8 +66,8 @@ class Scheduler:
             seq.slot = self.free_slots.pop()
             self.running.append(seq)
         work, budget = [], self.budget
-        for seq in sorted(self.running, key=lambda s: s.pending > 1):  # decodes first
-            n = min(seq.pending, budget)
+        for seq in sorted(self.running, key=lambda s: s.step_tokens > 1):  # decodes first
+            n = min(seq.step_tokens, budget)
             if n > 0:
                 work.append((seq, n))
                 budget -= n
@@ -79,11 +93,20 @@ class Scheduler:
         )
 
     def update(self, work: list[tuple[Sequence, int]], next_tokens: list[int | None]) -> None:
-        """Advance sequences after a step; `next_tokens[i]` is the sampled token of a sequence
-        whose whole context is now cached, None for a prefill chunk that is not the last."""
+        """Advance sequences after a step; `next_tokens[i]` is the token sampled after the
+        sequence's cached context, None for a prefill chunk that is not the last."""
         for (seq, n), tok in zip(work, next_tokens):
             seq.num_computed += n
             if tok is None or seq.slot < 0:
+                continue
+            if seq.num_computed < len(seq.tokens):  # a replayed token: already streamed
+                want = seq.tokens[seq.num_computed]
+                if tok != want and not seq.replay_diverged:
+                    seq.replay_diverged = True
+                    self.replays_diverged += 1
+                    log.warning("request %s: replay after a handover sampled %d where the first rank had %d "
+                                "(position %d); the stream keeps the first rank's tokens", seq.req.request_id,
+                                tok, want, seq.num_computed)
                 continue
             seq.tokens.append(tok)
             seq.generated.append(tok)
