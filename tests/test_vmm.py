@@ -355,9 +355,9 @@ def test_checkpoint_parks_vmm_rank_without_weights(tmp_path):
 def test_checkpoint_parks_vmm_rank_with_nixl_comm(tmp_path):
     """The same flow with the default NIXL communicator (its VRAM buffers registered)."""
     try:
-        from components.engine.ep_nixl import _import_nixl
+        from components.engine.nixl_agent import import_nixl
 
-        _import_nixl()
+        import_nixl()
     except ImportError as e:
         pytest.skip(f"NIXL is not installed: {e}")
     model = make_checkpoint("mixtral", tmp_path / "tiny")

@@ -50,6 +50,7 @@ import msgspec
 import torch
 
 from .ep_comm import EPError
+from .nixl_agent import PeerMetadataError, deregister, forget_peer, import_nixl, load_peer, release, release_quietly
 
 log = logging.getLogger(__name__)
 
@@ -109,26 +110,6 @@ class _Peer:
         self.dev_id = dev_id
 
 
-def release_quietly(handles: list) -> None:
-    """Release transfer handles NIXL refused to release earlier (teardown: errors are moot)."""
-    for h in handles:
-        try:
-            h.release()
-        except Exception:
-            pass
-    handles.clear()
-
-
-def _import_nixl():
-    try:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
-        import nixl_cu13._bindings as bindings
-    except ImportError:  # other wheel flavours expose the same API under `nixl`
-        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
-        import nixl._bindings as bindings  # type: ignore
-    return nixl_agent, nixl_agent_config, bindings
-
-
 class NixlCommunicator:
     """EPCommunicator over NIXL (UCX backend), for DRAM (device="cpu") or VRAM (device="cuda:N").
 
@@ -168,7 +149,7 @@ class NixlCommunicator:
         self.timeout_s = timeout_s
         self.name = name or f"ep-{rank}-{os.getpid()}"
 
-        _, _, self._nb = _import_nixl()
+        _, _, self._nb = import_nixl()
         self._lock = threading.RLock()
         self._closed = False
         self._leaked: list = []  # handles NIXL refused to release (still in flight at an error)
@@ -204,7 +185,7 @@ class NixlCommunicator:
         self._stash: dict[tuple[int, int], dict[int, int]] = {}
 
     def _open_agent(self) -> None:
-        nixl_agent, nixl_agent_config, _ = _import_nixl()
+        nixl_agent, nixl_agent_config, _ = import_nixl()
         t0 = time.monotonic()
         self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"], enable_prog_thread=self._progress_thread))
         if "UCX" not in self._agent.backends:
@@ -226,10 +207,7 @@ class NixlCommunicator:
         for r in list(self._peers):
             self._forget(r)
         for reg in self._reg:
-            try:
-                agent.deregister_memory(reg)
-            except Exception as e:
-                log.warning("%s: deregister_memory failed: %s", self.name, e)
+            deregister(agent, reg, self.name)
         self._reg = []
         self._agent = None
         del agent
@@ -323,13 +301,9 @@ class NixlCommunicator:
                     log.info("%s: rank %d changed agent %s -> %s; replacing", self.name, r, old.agent_name, m.agent_name)
                     self._forget(r)
                 try:
-                    loaded = self._agent.add_remote_agent(m.agent_metadata)
-                except Exception as e:
-                    raise EPError(f"rank {self.rank}: could not load NIXL metadata of rank {r}: {e}") from e
-                loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-                if loaded != m.agent_name:
-                    self._agent.remove_remote_agent(loaded)
-                    raise EPError(f"rank {self.rank}: rank {r} claims agent {m.agent_name!r} but its metadata is {loaded!r}")
+                    loaded = load_peer(self._agent, m.agent_metadata, m.agent_name)
+                except PeerMetadataError as e:
+                    raise EPError(f"rank {self.rank}: cannot connect rank {r}: {e}") from e
                 self._peers[r] = _Peer(r, loaded, m.recv_addr, m.mem_type, m.dev_id)
                 self._agent_rank[loaded] = r
                 log.info("%s: connected rank %d (%s)", self.name, r, loaded)
@@ -353,10 +327,7 @@ class NixlCommunicator:
     def _forget(self, r: int) -> None:
         peer = self._peers.pop(r)
         self._agent_rank.pop(peer.agent_name, None)
-        try:
-            self._agent.remove_remote_agent(peer.agent_name)
-        except Exception as e:  # a peer that is already gone must not stop the others' teardown
-            log.warning("%s: remove_remote_agent(%s) failed: %s", self.name, peer.agent_name, e)
+        forget_peer(self._agent, peer.agent_name, self.name)
 
     def set_active(self, ranks: Iterable[int], epoch: int) -> None:
         """Install the active set for `epoch` and restart seq at 0.
@@ -566,12 +537,7 @@ class NixlCommunicator:
 
     def _release(self, handles: dict) -> None:
         for dst, h in handles.items():
-            try:
-                h.release()
-            except Exception as e:
-                # Still in flight (error path): keep it referenced so NIXL can retire it at close.
-                log.warning("%s: could not release WRITE handle to rank %d: %s", self.name, dst, e)
-                self._leaked.append(h)
+            release(h, self._leaked, f"{self.name}: WRITE handle to rank {dst}")
         handles.clear()
 
     # ------------------------------------------------------------------ teardown

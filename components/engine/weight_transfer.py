@@ -48,7 +48,7 @@ from typing import Callable, Iterable, Mapping
 import msgspec
 import torch
 
-from .ep_nixl import _import_nixl, release_quietly
+from .nixl_agent import PeerMetadataError, deregister, forget_peer, import_nixl, load_peer, release, release_quietly
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ class WeightStore:
             if a + na > b:
                 raise ValueError(f"storage regions at 0x{a:x} (+{na}) and 0x{b:x} overlap")
 
-        nixl_agent, nixl_agent_config, self._nb = _import_nixl()
+        nixl_agent, nixl_agent_config, self._nb = import_nixl()
         self._seg = self._nb.VRAM_SEG if self._on_cuda else self._nb.DRAM_SEG
         self._lock = threading.Lock()  # every agent call
         self._pull_lock = threading.Lock()
@@ -528,11 +528,15 @@ class WeightStore:
             # Same-node VRAM sources: copy through CUDA IPC or a lent VMM arena at device-copy
             # speed (UCX in the NIXL wheel moved VRAM over tcp/loopback here); NIXL READ for
             # everything else, and for a source whose memory could not be opened.
-            direct = {r: xs for r, xs in plan.items()
-                      if use_ipc and self._ipc_usable(sources[r]) and self._open_all(sources[r], xs)}
+            direct = {}  # source rank -> its (destination, mapped source bytes) pairs
+            for r, xs in plan.items():
+                if use_ipc and self._ipc_usable(sources[r]):
+                    pairs = self._open_all(sources[r], xs)
+                    if pairs is not None:
+                        direct[r] = pairs
             t_opened = time.monotonic()
             try:
-                self._copy_ipc(direct, sources)
+                self._copy_ipc(direct, plan)
             finally:
                 # Close what was opened: a process holding another's CUDA IPC memory cannot be
                 # checkpointed and restored (the driver API refuses), and a joiner may be parked later.
@@ -637,32 +641,32 @@ class WeightStore:
     def _region(m: WeightManifest, desc: TensorDesc) -> IpcRegion | VmmRegion | None:
         return next((g for g in (*m.ipc, *m.vmm) if g.base <= desc.addr < g.base + g.nbytes), None)
 
-    def _open_all(self, m: WeightManifest, xs: list[_Xfer]) -> bool:
-        """Open every region of `m` the transfers read; False (a warning, nothing left open) when
-        one cannot be, so NIXL reads that source instead."""
+    def _open_all(self, m: WeightManifest, xs: list[_Xfer]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Open every region of `m` the transfers read: (destination, source bytes) per tensor;
+        None (a warning, nothing left open) when one cannot be, so NIXL reads that source instead."""
+        pairs = []
         try:
             for x in xs:
-                for it, desc, _ in x.items:
+                for it, desc, dst in x.items:
                     g = self._region(m, desc)
                     if g is None:
                         raise WeightTransferError(f"tensor {it.src_name}: not in a region rank {m.rank} exported")
-                    self._open(m.agent, g)
+                    off = desc.addr - g.base
+                    pairs.append((dst, self._open(m.agent, g)[off : off + desc.nbytes]))
         except Exception as e:
             log.warning("%s: cannot map rank %d's memory directly (%s); reading it over NIXL", self.name, m.rank, e)
             self._close_opened(m.agent)
-            return False
-        return True
+            return None
+        return pairs
 
-    def _copy_ipc(self, plan: dict[int, list[_Xfer]], sources: dict[int, WeightManifest]) -> None:
-        for r, xs in plan.items():
-            m = sources[r]
-            for x in xs:
-                for it, desc, dst in x.items:
-                    region = self._region(m, desc)
-                    src = self._open(m.agent, region)[desc.addr - region.base: desc.addr - region.base + desc.nbytes]
-                    dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
+    def _copy_ipc(self, direct: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+                  plan: dict[int, list[_Xfer]]) -> None:
+        for r, pairs in direct.items():
+            for dst, src in pairs:
+                dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
+            for x in plan[r]:
                 x.state = "DONE"
-        if plan:
+        if direct:
             torch.cuda.synchronize(self.device)
 
     def _open(self, agent: str, g: IpcRegion | VmmRegion) -> torch.Tensor:
@@ -695,18 +699,9 @@ class WeightStore:
             return
         with self._lock:
             try:
-                loaded = self._agent.add_remote_agent(m.agent_metadata)
-            except Exception as e:
-                raise WeightTransferError(
-                    f"source rank {m.rank} is unreachable: loading its NIXL metadata on rank {self.rank} failed: {e}"
-                ) from e
-            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            if loaded != m.agent:
-                self._agent.remove_remote_agent(loaded)
-                raise WeightTransferError(
-                    f"rank {self.rank}: source rank {m.rank} claims agent {m.agent!r} but its metadata is {loaded!r}"
-                )
-            self._remote[m.agent] = loaded
+                self._remote[m.agent] = load_peer(self._agent, m.agent_metadata, m.agent)
+            except PeerMetadataError as e:
+                raise WeightTransferError(f"rank {self.rank}: source rank {m.rank} is unreachable: {e}") from e
 
     def _forget_source(self, m: WeightManifest) -> None:
         """Drop a failed source's agent so a retry reloads it from a fresh manifest."""
@@ -714,10 +709,7 @@ class WeightStore:
         if self._remote.pop(m.agent, None) is None:
             return
         with self._lock:
-            try:
-                self._agent.remove_remote_agent(m.agent)
-            except Exception as e:
-                log.warning("%s: remove_remote_agent(%s) failed: %s", self.name, m.agent, e)
+            forget_peer(self._agent, m.agent, self.name)
 
     def _run(self, plan, sources, deadline, total, progress, timeout_s) -> list[_Xfer]:
         nb, agent = self._nb, self._agent
@@ -850,13 +842,8 @@ class WeightStore:
             h, x.handle = x.handle, None
             if h is None:
                 continue
-            try:
-                with self._lock:
-                    h.release()
-            except Exception as e:
-                # Still in flight (error path): keep it referenced so NIXL can retire it at close.
-                log.warning("%s: could not release READ handle from rank %d: %s", self.name, x.src, e)
-                self._leaked.append(h)
+            with self._lock:
+                release(h, self._leaked, f"{self.name}: READ handle from rank {x.src}")
 
     # ------------------------------------------------------------------ teardown
 
@@ -879,16 +866,10 @@ class WeightStore:
             agent = self._agent
             release_quietly(self._leaked)
             for name in list(self._remote.values()):
-                try:
-                    agent.remove_remote_agent(name)
-                except Exception as e:
-                    log.warning("%s: remove_remote_agent(%s) failed: %s", self.name, name, e)
+                forget_peer(agent, name, self.name)
             self._remote.clear()
             if self._reg is not None:
-                try:
-                    agent.deregister_memory(self._reg)
-                except Exception as e:
-                    log.warning("%s: deregister_memory failed: %s", self.name, e)
+                deregister(agent, self._reg, self.name)
                 self._reg = None
             self._agent = None
             del agent
