@@ -154,4 +154,4 @@ def test_leaving_rank_hands_its_requests_over(server, reference):
     assert traffic.errors == []
     bad = [(p, toks, reference[p]) for p, toks, _, _ in traffic.results if toks != reference[p]]
     assert bad == []
-    assert [v["replays_diverged"] for v in server.topology()["ranks"]] == [0, 0, 0]
+    assert {v["replays_diverged"] for v in server.topology()["ranks"]} == {0}
