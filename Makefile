@@ -4,13 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: serve test install bench clean
+.PHONY: serve test lint install bench clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml tools/debian-fetch.sh
 	$(PY) -m venv $(VENV)
 	# torch first: a package that depends on it would otherwise pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# etcd for the etcd discovery test, from Debian's packages, unpacked into the venv.
+	tools/debian-fetch.sh bookworm $(VENV)/debian etcd-server
+	ln -sf ../debian/root/usr/bin/etcd $(BIN)/etcd
 	touch $@
 
 install: $(BIN)/.installed
@@ -20,6 +23,10 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: install
 	$(BIN)/python -m bench.decode $(ARGS)

@@ -39,22 +39,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m bench.decode",
         description="Decode tokens/s and engine step latency of the DP/EP MoE engine on CPU, one process per "
-                    "rank (DP attention, EP MoE over NIXL). Prints a table and writes JSON.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default=None,
-                    help="Hugging Face checkpoint directory (Mixtral or Qwen2-MoE layout); default: the built-in "
-                         "tiny model (components.engine.builtin.builtin_model_dir())")
+        "rank (DP attention, EP MoE over NIXL). Prints a table and writes JSON.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face checkpoint directory (Mixtral or Qwen2-MoE layout); default: the built-in "
+        "tiny model (components.engine.builtin.builtin_model_dir())",
+    )
     ap.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts to run, one configuration each")
     ap.add_argument("--batch", type=int, default=8, help="concurrent sequences per rank")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (random ids, seeded)")
     ap.add_argument("--gen-len", type=int, default=64, help="tokens generated per sequence (ignore_eos)")
-    ap.add_argument("--warmup-len", type=int, default=4,
-                    help="tokens per sequence of the untimed warmup round before the measured one (0: none)")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads per rank process; 0: max(1, usable CPUs // ranks)")
+    ap.add_argument(
+        "--warmup-len",
+        type=int,
+        default=4,
+        help="tokens per sequence of the untimed warmup round before the measured one (0: none)",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads per rank process; 0: max(1, usable CPUs // ranks)"
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    ap.add_argument("--timeout", type=float, default=600.0,
-                    help="seconds one configuration may take before its processes are killed")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds one configuration may take before its processes are killed",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode.json"), help="JSON results file")
     args = ap.parse_args(argv)
     try:
@@ -86,17 +99,32 @@ def pct(xs: list[float], q: float) -> float:
 
 def run_config(args, model: str, world: int) -> dict:
     threads = args.threads or max(1, usable_cpus() // world)
-    plan = {"world": world, "model": model, "batch": args.batch, "prompt_len": args.prompt_len,
-            "gen_len": args.gen_len, "warmup_len": args.warmup_len, "seed": args.seed, "threads": threads,
-            "max_len": args.prompt_len + max(args.gen_len, args.warmup_len),
-            "timeout_s": args.timeout, "ep_timeout_s": min(args.timeout, 120.0)}
+    plan = {
+        "world": world,
+        "model": model,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "warmup_len": args.warmup_len,
+        "seed": args.seed,
+        "threads": threads,
+        "max_len": args.prompt_len + max(args.gen_len, args.warmup_len),
+        "timeout_s": args.timeout,
+        "ep_timeout_s": min(args.timeout, 120.0),
+    }
     with tempfile.TemporaryDirectory(prefix=f"bench-decode-{world}-") as tmp:
         d = Path(tmp)
         (d / "plan.json").write_text(json.dumps(plan))
         logs = [open(d / f"peer{r}.log", "wb") for r in range(world)]
         t0 = time.monotonic()
-        procs = [subprocess.Popen([sys.executable, "-m", "bench.decode_peer", "--rank", str(r), "--dir", str(d)],
-                                  stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.decode_peer", "--rank", str(r), "--dir", str(d)],
+                stdout=logs[r],
+                stderr=subprocess.STDOUT,
+            )
+            for r in range(world)
+        ]
         try:
             deadline = t0 + args.timeout + 60
             failed = None
@@ -140,16 +168,27 @@ def run_config(args, model: str, world: int) -> dict:
         "decode_steps_per_rank": [rep["decode_steps"] for rep in reports],
         "torch_threads_per_rank": threads,
         "process_wall_s": wall,
-        "per_rank": [{k: v for k, v in rep.items() if k != "step_ms"} | {
-            "step_ms_p50": statistics.median(rep["step_ms"]), "step_ms_p99": pct(rep["step_ms"], 99)}
-            for rep in reports],
+        "per_rank": [
+            {k: v for k, v in rep.items() if k != "step_ms"}
+            | {"step_ms_p50": statistics.median(rep["step_ms"]), "step_ms_p99": pct(rep["step_ms"], 99)}
+            for rep in reports
+        ],
     }
 
 
 def table(rows: list[dict]) -> str:
-    cells = [[str(r["ranks"]), str(r["seqs_per_rank"]), f"{r['decode_tok_s_total']:.1f}",
-              f"{r['decode_tok_s_per_rank']:.1f}", f"{r['step_ms_p50']:.2f}", f"{r['step_ms_p99']:.2f}",
-              f"{r['prefill_ms']:.1f}"] for r in rows]
+    cells = [
+        [
+            str(r["ranks"]),
+            str(r["seqs_per_rank"]),
+            f"{r['decode_tok_s_total']:.1f}",
+            f"{r['decode_tok_s_per_rank']:.1f}",
+            f"{r['step_ms_p50']:.2f}",
+            f"{r['step_ms_p99']:.2f}",
+            f"{r['prefill_ms']:.1f}",
+        ]
+        for r in rows
+    ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(HEADER)]
     line = lambda cs: "| " + " | ".join(c.rjust(w) for c, w in zip(cs, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -157,9 +196,15 @@ def table(rows: list[dict]) -> str:
 
 
 def machine_info() -> dict:
-    info = {"cpu_count": os.cpu_count(), "usable_cpus": usable_cpus(), "torch": torch.__version__,
-            "torch_threads_default": torch.get_num_threads(), "python": platform.python_version(),
-            "platform": platform.platform(), "processor": platform.processor() or platform.machine()}
+    info = {
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": usable_cpus(),
+        "torch": torch.__version__,
+        "torch_threads_default": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+    }
     try:
         from importlib.metadata import version
 
@@ -172,8 +217,9 @@ def machine_info() -> dict:
     except ImportError:
         pass
     try:
-        info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                                 if line.startswith("model name"))
+        info["cpu_model"] = next(
+            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     return info
@@ -189,29 +235,54 @@ def main(argv=None) -> None:
         model = str(builtin_model_dir())
     argv_list = sys.argv[1:] if argv is None else list(argv)
     command = shlex.join([Path(sys.executable).name, "-m", "bench.decode", *argv_list])
-    print(f"bench.decode: model {model}; {args.batch} seqs/rank, prompt {args.prompt_len}, gen {args.gen_len}, "
-          f"ranks {args.ranks} on {usable_cpus()} CPUs", file=sys.stderr, flush=True)
+    print(
+        f"bench.decode: model {model}; {args.batch} seqs/rank, prompt {args.prompt_len}, gen {args.gen_len}, "
+        f"ranks {args.ranks} on {usable_cpus()} CPUs",
+        file=sys.stderr,
+        flush=True,
+    )
     rows = []
     for world in args.ranks:
         t = time.monotonic()
         print(f"  {world} rank(s): running...", file=sys.stderr, flush=True)
         row = run_config(args, model, world)
         rows.append(row)
-        print(f"  {world} rank(s): {row['decode_tok_s_total']:.1f} tok/s, step p50 {row['step_ms_p50']:.2f} ms "
-              f"({time.monotonic() - t:.1f} s)", file=sys.stderr, flush=True)
-    print("step ms = wall time of one engine step (EngineRank._step: header all-to-all + forward + sampling), "
-          "decode steps only, pooled over ranks")
+        print(
+            f"  {world} rank(s): {row['decode_tok_s_total']:.1f} tok/s, step p50 {row['step_ms_p50']:.2f} ms "
+            f"({time.monotonic() - t:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        "step ms = wall time of one engine step (EngineRank._step: header all-to-all + forward + sampling), "
+        "decode steps only, pooled over ranks"
+    )
     print(table(rows))
-    result = {"command": command, "argv": [sys.executable, "-m", "bench.decode", *argv_list], "cwd": os.getcwd(),
-              "model": model, "machine": machine_info(),
-              "config": {"batch": args.batch, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-                         "warmup_len": args.warmup_len, "seed": args.seed, "threads": args.threads,
-                         "device": "cpu", "ep_backend": "nixl (NixlCommunicator, CPU DRAM over UCX)"},
-              "step_latency": "EngineRank._step wall time per forward step in the decode phase, pooled over ranks",
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": rows}
+    result = {
+        "command": command,
+        "argv": [sys.executable, "-m", "bench.decode", *argv_list],
+        "cwd": os.getcwd(),
+        "model": model,
+        "machine": machine_info(),
+        "config": {
+            "batch": args.batch,
+            "prompt_len": args.prompt_len,
+            "gen_len": args.gen_len,
+            "warmup_len": args.warmup_len,
+            "seed": args.seed,
+            "threads": args.threads,
+            "device": "cpu",
+            "ep_backend": "nixl (NixlCommunicator, CPU DRAM over UCX)",
+        },
+        "step_latency": "EngineRank._step wall time per forward step in the decode phase, pooled over ranks",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "results": rows,
+    }
     try:
-        result["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                              timeout=10).stdout.strip() or None
+        result["git_commit"] = (
+            subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         pass
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,8 +36,17 @@ def main() -> None:
     rank, world, timeout = args.rank, plan["world"], plan["timeout_s"]
     if plan["threads"] > 0:
         torch.set_num_threads(plan["threads"])
-    eng = EngineRank(RankConfig(rank=rank, max_ranks=world, device="cpu", max_seqs=plan["batch"],
-                                max_len=plan["max_len"], ep_timeout_s=plan["ep_timeout_s"]), plan["model"])
+    eng = EngineRank(
+        RankConfig(
+            rank=rank,
+            max_ranks=world,
+            device="cpu",
+            max_seqs=plan["batch"],
+            max_len=plan["max_len"],
+            ep_timeout_s=plan["ep_timeout_s"],
+        ),
+        plan["model"],
+    )
     write(d / f"meta{rank}", eng.comm.metadata())
     wait_for([d / f"meta{r}" for r in range(world)], timeout)
     eng.comm.connect({r: (d / f"meta{r}").read_bytes() for r in range(world) if r != rank})
@@ -62,6 +71,7 @@ def main() -> None:
     eng.start()
     eng.pause().result(timeout=timeout)
     placement = eng.default_placement(active)
+
     def install():
         eng.configure(1, active, placement)
         eng.load_experts(placement)

@@ -41,7 +41,7 @@ def main() -> None:
     def run(inputs, max_tokens, **kw):
         out = []
         for i in range(0, len(inputs), 4):
-            out += generate(eng, inputs[i:i + 4], max_tokens, ignore_eos=True, **kw)[0]
+            out += generate(eng, inputs[i : i + 4], max_tokens, ignore_eos=True, **kw)[0]
         return out
 
     try:
@@ -49,10 +49,12 @@ def main() -> None:
         rows = []
         for how in ("recompute", "replay"):
             for k in cuts:
-                rest = run([q + w[:k] for q, w in zip(prompts, whole)], args.max_tokens - k,
-                           replay=k if how == "replay" else 0)
-                rows.append({"how": how, "k": k, "differ": sum(r != w[k:] for r, w in zip(rest, whole)),
-                             "of": len(prompts)})
+                rest = run(
+                    [q + w[:k] for q, w in zip(prompts, whole)], args.max_tokens - k, replay=k if how == "replay" else 0
+                )
+                rows.append(
+                    {"how": how, "k": k, "differ": sum(r != w[k:] for r, w in zip(rest, whole)), "of": len(prompts)}
+                )
         diverged = eng.sched.replays_diverged
     finally:
         eng.stop()
@@ -63,9 +65,17 @@ def main() -> None:
         print(f"| {r['how']} | {r['k']} | {r['differ']} / {r['of']} |")
     print(f"replays that sampled a token other than the first rank's: {diverged}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["python -m bench.handover", *sys.argv[1:]]),
-                                    "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                                    "rows": rows, "replays_diverged": diverged}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": " ".join(["python -m bench.handover", *sys.argv[1:]]),
+                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                "rows": rows,
+                "replays_diverged": diverged,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
 
 

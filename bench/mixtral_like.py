@@ -23,9 +23,18 @@ def write(dest: Path, layers: int, hidden: int, intermediate: int, experts: int,
         shutil.copy(src / name, dest / name)
     base = json.loads((src / "config.json").read_text())
     vocab = base["vocab_size"]
-    cfg = {**base, "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-           "num_local_experts": experts, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-           "head_dim": hidden // heads, "dtype": "bfloat16", "max_position_embeddings": 4096}
+    cfg = {
+        **base,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_local_experts": experts,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "dtype": "bfloat16",
+        "max_position_embeddings": 4096,
+    }
     (dest / "config.json").write_text(json.dumps(cfg, indent=2))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -40,19 +49,32 @@ def write(dest: Path, layers: int, hidden: int, intermediate: int, experts: int,
         save_file(tensors, str(dest / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})
 
-    shard("model-embed.safetensors", {"model.embed_tokens.weight": rnd(vocab, hidden), "lm_head.weight": rnd(vocab, hidden),
-                                      "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)})
+    shard(
+        "model-embed.safetensors",
+        {
+            "model.embed_tokens.weight": rnd(vocab, hidden),
+            "lm_head.weight": rnd(vocab, hidden),
+            "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        },
+    )
     for i in range(layers):
         p = f"model.layers.{i}."
-        t = {p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-             p + "self_attn.q_proj.weight": rnd(heads * hd, hidden), p + "self_attn.k_proj.weight": rnd(kv_heads * hd, hidden),
-             p + "self_attn.v_proj.weight": rnd(kv_heads * hd, hidden), p + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
-             p + "block_sparse_moe.gate.weight": rnd(experts, hidden)}
+        t = {
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "self_attn.q_proj.weight": rnd(heads * hd, hidden),
+            p + "self_attn.k_proj.weight": rnd(kv_heads * hd, hidden),
+            p + "self_attn.v_proj.weight": rnd(kv_heads * hd, hidden),
+            p + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
+            p + "block_sparse_moe.gate.weight": rnd(experts, hidden),
+        }
         for e in range(experts):
             q = f"{p}block_sparse_moe.experts.{e}."
-            t |= {q + "w1.weight": rnd(intermediate, hidden), q + "w3.weight": rnd(intermediate, hidden),
-                  q + "w2.weight": rnd(hidden, intermediate)}
+            t |= {
+                q + "w1.weight": rnd(intermediate, hidden),
+                q + "w3.weight": rnd(intermediate, hidden),
+                q + "w2.weight": rnd(hidden, intermediate),
+            }
         shard(f"model-layer{i}.safetensors", t)
     (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return dest

@@ -39,11 +39,15 @@ def device_copy_gbps(nbytes: int, device: str, src_device: str) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    p.add_argument("--src-device", default=None,
-                   help="where the sources hold their weights, e.g. cuda:1 (default: --device)")
+    p.add_argument(
+        "--src-device", default=None, help="where the sources hold their weights, e.g. cuda:1 (default: --device)"
+    )
     p.add_argument("--mb", type=int, default=2048, help="MB of weights each source holds (default %(default)s)")
-    p.add_argument("--paths", default="nixl,cuda-ipc,vmm-map",
-                   help="comma-separated paths to measure (default %(default)s; the last two need CUDA)")
+    p.add_argument(
+        "--paths",
+        default="nixl,cuda-ipc,vmm-map",
+        help="comma-separated paths to measure (default %(default)s; the last two need CUDA)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="pulls per path; the best is reported")
     p.add_argument("--out", type=Path, default=Path("bench/results/weight_pull.json"))
     args = p.parse_args()
@@ -58,8 +62,10 @@ def main() -> None:
     wanted = args.paths.split(",")
     unknown = set(wanted) - {name for _, name, _ in runs}
     if unknown:
-        p.error(f"--paths: {', '.join(sorted(unknown))} not available on {args.device} "
-                f"(choose from {', '.join(name for _, name, _ in runs)})")
+        p.error(
+            f"--paths: {', '.join(sorted(unknown))} not available on {args.device} "
+            f"(choose from {', '.join(name for _, name, _ in runs)})"
+        )
     runs = [r for r in runs if r[1] in wanted]
     for memory in dict.fromkeys(m for m, _, _ in runs):
         with tempfile.TemporaryDirectory() as d:
@@ -77,27 +83,48 @@ def main() -> None:
                             st = local.pull(items, m, timeout_s=600, use_ipc=direct)
                             if best is None or st.transfer_seconds < best.transfer_seconds:
                                 best = st
-                        rows.append({"path": name, "bytes": best.bytes, "ipc_bytes": best.ipc_bytes,
-                                     "transfer_gbps": best.bytes / best.transfer_seconds / 1e9,
-                                     "map_s": best.map_seconds,
-                                     "copy_gbps": best.bytes / (best.transfer_seconds - best.map_seconds) / 1e9,
-                                     "end_to_end_gbps": best.gbps, "verify_s": best.verify_seconds})
+                        rows.append(
+                            {
+                                "path": name,
+                                "bytes": best.bytes,
+                                "ipc_bytes": best.ipc_bytes,
+                                "transfer_gbps": best.bytes / best.transfer_seconds / 1e9,
+                                "map_s": best.map_seconds,
+                                "copy_gbps": best.bytes / (best.transfer_seconds - best.map_seconds) / 1e9,
+                                "end_to_end_gbps": best.gbps,
+                                "verify_s": best.verify_seconds,
+                            }
+                        )
             finally:
                 src.stop()
     copy = device_copy_gbps(rows[0]["bytes"], args.device, src_device)
     print(f"sources on {src_device}, joiner on {args.device}")
-    print(f"| path | MB | of which direct | mapping + unmapping peers ms | copy GB/s (% of device copy, {copy:.0f} GB/s) | "
-          f"transfer GB/s, mapping included | end-to-end GB/s (with checksums) |")
+    print(
+        "| path | MB | of which direct | mapping + unmapping peers ms | "
+        f"copy GB/s (% of device copy, {copy:.0f} GB/s) | "
+        f"transfer GB/s, mapping included | end-to-end GB/s (with checksums) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['path']} | {r['bytes'] / 1e6:.0f} | {r['ipc_bytes'] / 1e6:.0f} | {r['map_s'] * 1e3:.1f} | "
-              f"{r['copy_gbps']:.1f} ({100 * r['copy_gbps'] / copy:.0f}%) | {r['transfer_gbps']:.1f} | "
-              f"{r['end_to_end_gbps']:.1f} |")
+        print(
+            f"| {r['path']} | {r['bytes'] / 1e6:.0f} | {r['ipc_bytes'] / 1e6:.0f} | {r['map_s'] * 1e3:.1f} | "
+            f"{r['copy_gbps']:.1f} ({100 * r['copy_gbps'] / copy:.0f}%) | {r['transfer_gbps']:.1f} | "
+            f"{r['end_to_end_gbps']:.1f} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["python -m bench.weight_pull", *sys.argv[1:]]),
-                                    "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                                    "src_device": src_device, "dst_device": args.device,
-                                    "device_copy_gbps": copy, "rows": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": " ".join(["python -m bench.weight_pull", *sys.argv[1:]]),
+                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                "src_device": src_device,
+                "dst_device": args.device,
+                "device_copy_gbps": copy,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
 
 

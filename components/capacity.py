@@ -97,9 +97,9 @@ class LocalProvider:
         """A baked snapshot that fits this deployment, or "" (each refusal is logged with its reason)."""
         if not self.wcfg.snapshot_root:
             return ""
+        from components.worker import model_source, rank_config
         from snapshot.bake import target_for
         from snapshot.store import find_compatible
-        from components.worker import model_source, rank_config
 
         target = target_for(model_source(self.wcfg)[0], rank_config(self.wcfg, rank))
         found, refused = find_compatible(target, self.wcfg.snapshot_root)
@@ -119,17 +119,29 @@ class LocalProvider:
             snap = self.snapshot_for(rank, op)
             how[rank] = "snapshot" if snap else "cold"
             spec = Worker.rank_process(rank, join=True, snapshot=snap)
-            env = {**os.environ, **spec.env, GRAPH_ENV: encode_context(self.ctx), COMPONENT_ENV: "Worker",
-                   "PYTHONUNBUFFERED": "1"}
+            env = {
+                **os.environ,
+                **spec.env,
+                GRAPH_ENV: encode_context(self.ctx),
+                COMPONENT_ENV: "Worker",
+                "PYTHONUNBUFFERED": "1",
+            }
             env.pop(FAULT_ENV, None)
             if fault:
                 env[FAULT_ENV] = fault
-            proc = subprocess.Popen(spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            )
             self.procs[rank] = proc
             self._pumps[rank] = asyncio.create_task(self._pump(spec.label, proc))
-            log.info("[op %s] started %s (pid %d, %s)%s", op, spec.label, proc.pid, how[rank],
-                     f" with fault {fault}" if fault else "")
+            log.info(
+                "[op %s] started %s (pid %d, %s)%s",
+                op,
+                spec.label,
+                proc.pid,
+                how[rank],
+                f" with fault {fault}" if fault else "",
+            )
         return how
 
     async def _pump(self, label: str, proc: subprocess.Popen) -> None:
@@ -159,7 +171,7 @@ class LocalProvider:
             try:
                 await asyncio.wait_for(asyncio.to_thread(proc.wait), wait)
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
         log.info("[op %s] Worker.%d (pid %d) is gone (exit code %s)", op, rank, proc.pid, proc.returncode)
         pump = self._pumps.pop(rank, None)

@@ -28,16 +28,24 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 class KubernetesProvider:
-    def __init__(self, statefulset: str | None = None, namespace: str | None = None, api_url: str | None = None,
-                 token: str | None = None, ca_file: str | None = None, poll_s: float = 2.0,
-                 release_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        statefulset: str | None = None,
+        namespace: str | None = None,
+        api_url: str | None = None,
+        token: str | None = None,
+        ca_file: str | None = None,
+        poll_s: float = 2.0,
+        release_timeout_s: float = 60.0,
+    ):
         self.statefulset = statefulset or os.environ.get("ELASTIC_EP_WORKER_STATEFULSET", "elastic-ep-worker")
         self.namespace = namespace or os.environ.get("POD_NAMESPACE") or self._read(SA_DIR / "namespace") or "default"
         if api_url is None:
             host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
             if not host:
-                raise RuntimeError("KubernetesProvider: not in a cluster (KUBERNETES_SERVICE_HOST unset) "
-                                   "and no api_url given")
+                raise RuntimeError(
+                    "KubernetesProvider: not in a cluster (KUBERNETES_SERVICE_HOST unset) and no api_url given"
+                )
             api_url = f"https://{host}:{port}"
         self.api_url = api_url.rstrip("/")
         self._token = token
@@ -64,8 +72,9 @@ class KubernetesProvider:
     async def _req(self, method: str, path: str, **kw) -> tuple[int, dict]:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-        async with self._session.request(method, self.api_url + path, headers={**self._headers(), **kw.pop("headers", {})},
-                                         ssl=self._ssl, **kw) as r:
+        async with self._session.request(
+            method, self.api_url + path, headers={**self._headers(), **kw.pop("headers", {})}, ssl=self._ssl, **kw
+        ) as r:
             body = await r.json(content_type=None) if r.content_length != 0 else {}
             return r.status, body or {}
 
@@ -80,11 +89,16 @@ class KubernetesProvider:
         return int(body.get("spec", {}).get("replicas", 0))
 
     async def set_replicas(self, n: int) -> None:
-        status, body = await self._req("PATCH", self._scale_path, json={"spec": {"replicas": n}},
-                                       headers={"Content-Type": "application/merge-patch+json"})
+        status, body = await self._req(
+            "PATCH",
+            self._scale_path,
+            json={"spec": {"replicas": n}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
         if status not in (200, 201):
-            raise RuntimeError(f"PATCH statefulset {self.namespace}/{self.statefulset} scale to {n}: "
-                               f"HTTP {status}: {body}")
+            raise RuntimeError(
+                f"PATCH statefulset {self.namespace}/{self.statefulset} scale to {n}: HTTP {status}: {body}"
+            )
 
     async def _pod_phase(self, rank: int) -> str:
         status, body = await self._req("GET", f"/api/v1/namespaces/{self.namespace}/pods/{self.statefulset}-{rank}")
@@ -116,15 +130,24 @@ class KubernetesProvider:
         want = max(ranks) + 1
         missing = [r for r in range(current, want) if r not in ranks]
         if missing:
-            raise RuntimeError(f"rank {max(ranks)} cannot start alone: a StatefulSet adds pods in order and "
-                               f"ranks {missing[0]}..{missing[-1]} are not started")
+            raise RuntimeError(
+                f"rank {max(ranks)} cannot start alone: a StatefulSet adds pods in order and "
+                f"ranks {missing[0]}..{missing[-1]} are not started"
+            )
         self.held.update(ranks)
         for r in ranks:
             self._phase[r] = "Pending"
         if want > current:
             await self.set_replicas(want)
-        log.info("[op %s] statefulset %s/%s: %d -> %d replicas for ranks %s", op, self.namespace,
-                 self.statefulset, current, want, ranks)
+        log.info(
+            "[op %s] statefulset %s/%s: %d -> %d replicas for ranks %s",
+            op,
+            self.namespace,
+            self.statefulset,
+            current,
+            want,
+            ranks,
+        )
         if self._watch is None:
             self._watch = asyncio.create_task(self._watch_pods())
         return {r: "cold" for r in ranks}
@@ -149,8 +172,15 @@ class KubernetesProvider:
         keep = max([r for r in self.held if r < current] + [self._base(current, rank) - 1]) + 1
         if keep < current:
             await self.set_replicas(keep)
-            log.info("[op %s] statefulset %s/%s: %d -> %d replicas (rank %d released)", op, self.namespace,
-                     self.statefulset, current, keep, rank)
+            log.info(
+                "[op %s] statefulset %s/%s: %d -> %d replicas (rank %d released)",
+                op,
+                self.namespace,
+                self.statefulset,
+                current,
+                keep,
+                rank,
+            )
         if graceful:
             deadline = asyncio.get_running_loop().time() + self.release_timeout_s
             while asyncio.get_running_loop().time() < deadline and await self._pod_phase(rank) != "Gone":

@@ -16,6 +16,10 @@ import msgspec
 
 GRAPH_ENV = "ELASTIC_EP_GRAPH"
 COMPONENT_ENV = "ELASTIC_EP_COMPONENT"
+# A process that exits with this code cannot start as configured (a bad model, a length the model
+# does not have): retrying or carrying on without it cannot help, so `dynamo serve` stops the
+# graph at once with the process's last log line, critical or not.
+EXIT_CANNOT_START = 78  # EX_CONFIG of sysexits.h
 
 C = TypeVar("C", bound=msgspec.Struct)
 
@@ -91,8 +95,7 @@ def load_context() -> tuple[GraphContext, str]:
     name = os.environ.get(COMPONENT_ENV, "")
     if not raw:
         raise RuntimeError(
-            f"{GRAPH_ENV} is not set: this module is a graph component, "
-            "start it with `dynamo serve <graph>:<Root>`"
+            f"{GRAPH_ENV} is not set: this module is a graph component, start it with `dynamo serve <graph>:<Root>`"
         )
     try:
         ctx = msgspec.json.decode(raw, type=GraphContext)

@@ -6,8 +6,6 @@ to one worker instance; `bytes` fields become base64 on the way, which msgspec r
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from components.engine.expert_map import Placement
@@ -107,8 +105,24 @@ class Restore(msgspec.Struct, tag="restore"):
     op: str = "-"
 
 
-ControlRequest = Union[Describe, Connect, Disconnect, Pause, Configure, Resume, SetRoutable, LoadExperts,
-                       ExportWeights, EndExport, PullWeights, Warmup, Drain, Exit, Park, Restore]
+ControlRequest = (
+    Describe
+    | Connect
+    | Disconnect
+    | Pause
+    | Configure
+    | Resume
+    | SetRoutable
+    | LoadExperts
+    | ExportWeights
+    | EndExport
+    | PullWeights
+    | Warmup
+    | Drain
+    | Exit
+    | Park
+    | Restore
+)
 
 
 class RankStatus(msgspec.Struct):
@@ -134,6 +148,10 @@ class RankStatus(msgspec.Struct):
     expert_rows: int  # (token, expert) pairs computed here, for any rank
     graph_captures: int = 0  # decode graph sets captured since start (retained ranks never recapture)
     replays_diverged: int = 0  # handed-over requests whose replay here did not reproduce their tokens
+    # KV cache in use: the cache is allocated per sequence (a slot of max_len tokens, this engine's
+    # block), so in use / total is slots held by running sequences / max_seqs.
+    kv_used: int = 0
+    kv_total: int = 0
 
 
 class ControlReply(msgspec.Struct):

@@ -51,6 +51,7 @@ class Lifecycle:
         """The one way a rank changes state; `op` is the scale operation's id, if any."""
         if new is not RankState.FAILED and new not in _NEXT[self.state]:
             raise RuntimeError(f"rank {self.rank}: illegal transition {self.state.name} -> {new.name}")
-        log.info("[op %s] rank %d: %s -> %s%s", op, self.rank, self.state.name, new.name,
-                 f" ({reason})" if reason else "")
+        log.info(
+            "[op %s] rank %d: %s -> %s%s", op, self.rank, self.state.name, new.name, f" ({reason})" if reason else ""
+        )
         self.state = new

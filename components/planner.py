@@ -144,33 +144,41 @@ def resolve(cfg: Planner.Config, worker: dict[str, Any]) -> Bounds:
     lo = cfg.min_dp or w_dp
     hi = cfg.max_dp or w_max
     if lo > hi:
-        raise ValueError(f"Planner.min_dp ({lo}{'' if cfg.min_dp else ' = Worker.dp_size'}) is greater than "
-                         f"Planner.max_dp ({hi}{'' if cfg.max_dp else ' = Worker.max_ranks'})")
+        raise ValueError(
+            f"Planner.min_dp ({lo}{'' if cfg.min_dp else ' = Worker.dp_size'}) is greater than "
+            f"Planner.max_dp ({hi}{'' if cfg.max_dp else ' = Worker.max_ranks'})"
+        )
     if hi > w_max:
-        raise ValueError(f"Planner.max_dp ({hi}) is over capacity: Worker.max_ranks is {w_max} (the EP buffers "
-                         f"and expert slots are sized for {w_max} ranks at launch)")
+        raise ValueError(
+            f"Planner.max_dp ({hi}) is over capacity: Worker.max_ranks is {w_max} (the EP buffers "
+            f"and expert slots are sized for {w_max} ranks at launch)"
+        )
     if lo < w_min:
         raise ValueError(f"Planner.min_dp ({lo}) is below Worker.min_ranks ({w_min})")
     if not lo <= w_dp <= hi:
-        raise ValueError(f"Worker.dp_size ({w_dp}) is outside the planner's bounds {lo}..{hi} "
-                         f"(Planner.min_dp..Planner.max_dp)")
+        raise ValueError(
+            f"Worker.dp_size ({w_dp}) is outside the planner's bounds {lo}..{hi} (Planner.min_dp..Planner.max_dp)"
+        )
     if worker.get("device") == "cuda":
         gpus = _visible_gpus()
         if gpus is not None and hi > gpus:
-            raise ValueError(f"Planner.max_dp ({hi}) is over capacity: this host has {gpus} visible GPUs and "
-                             f"each rank takes one")
+            raise ValueError(
+                f"Planner.max_dp ({hi}) is over capacity: this host has {gpus} visible GPUs and each rank takes one"
+            )
     up = cfg.scale_up_threshold or float(worker.get("max_seqs", 16))
     down = cfg.scale_down_threshold or up / 4
     if down >= up:
-        raise ValueError(f"Planner.scale_down_threshold ({down}) must be below scale_up_threshold ({up}): "
-                         "the band between them is what keeps a steady load from flapping")
+        raise ValueError(
+            f"Planner.scale_down_threshold ({down}) must be below scale_up_threshold ({up}): "
+            "the band between them is what keeps a steady load from flapping"
+        )
     return Bounds(min_dp=lo, max_dp=hi, up=up, down=down)
 
 
 # ---------------------------------------------------------------------------------------------
 # metrics input
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -246,6 +254,7 @@ class Inputs(msgspec.Struct):
     def brief(self) -> dict[str, Any]:
         def r(x):
             return round(x, 3) if isinstance(x, float) else x
+
         return {k: r(v) for k, v in msgspec.structs.asdict(self).items() if v is not None}
 
 
@@ -301,19 +310,33 @@ class Policy:
             why = "; ".join(reasons) + f"; wants {up_want}"
             if desired <= n:
                 return "keep", n, why + f", but already at max_dp {b.max_dp}"
-            return self._move(n, desired, why, now, self.up_streak >= cfg.up_intervals,
-                              f"{self.up_streak}/{cfg.up_intervals} intervals above")
+            return self._move(
+                n,
+                desired,
+                why,
+                now,
+                self.up_streak >= cfg.up_intervals,
+                f"{self.up_streak}/{cfg.up_intervals} intervals above",
+            )
         if down_want < n:
             self.down_streak += 1
             self.up_streak = 0
             why = f"load {x.predicted:.2f} fits {down_want} ranks at <= {b.down:g}/rank (now {per_rank:.2f}/rank)"
-            return self._move(n, down_want, why, now, self.down_streak >= cfg.down_intervals,
-                              f"{self.down_streak}/{cfg.down_intervals} intervals below")
+            return self._move(
+                n,
+                down_want,
+                why,
+                now,
+                self.down_streak >= cfg.down_intervals,
+                f"{self.down_streak}/{cfg.down_intervals} intervals below",
+            )
         self.up_streak = self.down_streak = 0
         at = " (at min_dp)" if n == b.min_dp and per_rank <= b.down else ""
         return "keep", n, f"load/rank {per_rank:.2f} within band ({b.down:g}, {b.up:g}]{at}"
 
-    def _move(self, n: int, desired: int, why: str, now: float, streak_ok: bool, streak: str = "") -> tuple[str, int, str]:
+    def _move(
+        self, n: int, desired: int, why: str, now: float, streak_ok: bool, streak: str = ""
+    ) -> tuple[str, int, str]:
         if desired == n:
             return "keep", n, why
         if not streak_ok:
@@ -352,8 +375,9 @@ class PlannerService:
     async def _get(self, url: str) -> Any:
         import aiohttp
 
-        async with self.session.get(url, headers=self.headers,
-                                    timeout=aiohttp.ClientTimeout(total=self.cfg.http_timeout_s)) as r:
+        async with self.session.get(
+            url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.cfg.http_timeout_s)
+        ) as r:
             if r.status != 200:
                 raise RuntimeError(f"GET {url}: HTTP {r.status}")
             return await (r.json() if url.endswith("/topology") else r.text())
@@ -377,8 +401,11 @@ class PlannerService:
         ttft50 = ttft95 = itl50 = itl95 = None
         if fe is not None:
             # Queued requests are in flight too: the larger of the two views, never their sum.
-            inflight = max(inflight, metric_sum(fe, "dynamo_frontend_inflight_requests") or 0.0,
-                           metric_sum(fe, "dynamo_frontend_queued_requests") or 0.0)
+            inflight = max(
+                inflight,
+                metric_sum(fe, "dynamo_frontend_inflight_requests") or 0.0,
+                metric_sum(fe, "dynamo_frontend_queued_requests") or 0.0,
+            )
             cur = {
                 "started": metric_sum(fe, "dynamo_frontend_requests_started_total"),
                 "done": metric_sum(fe, "dynamo_frontend_requests_total"),
@@ -397,7 +424,10 @@ class PlannerService:
                     dn = cur["dur_count"] - self.prev["dur_count"]
                     if dn > 0:
                         duration = (cur["dur_sum"] - self.prev["dur_sum"]) / dn
-                ttft50, ttft95 = quantile(cur["ttft"], self.prev["ttft"], 0.5), quantile(cur["ttft"], self.prev["ttft"], 0.95)
+                ttft50, ttft95 = (
+                    quantile(cur["ttft"], self.prev["ttft"], 0.5),
+                    quantile(cur["ttft"], self.prev["ttft"], 0.95),
+                )
                 itl50, itl95 = quantile(cur["itl"], self.prev["itl"], 0.5), quantile(cur["itl"], self.prev["itl"], 0.95)
             self.prev, self.prev_t = cur, now
         a = self.cfg.smoothing
@@ -409,11 +439,23 @@ class PlannerService:
         predicted = self.load_ewma
         if self.rate_ewma is not None and self.duration is not None:
             predicted = max(predicted, self.rate_ewma * self.duration)  # Little's law
-        return Inputs(dp=int(topo["dp_size"]), scaling=bool(topo["scaling"] or topo.get("target") is not None),
-                      inflight=inflight, running=running, waiting=waiting, rate=rate, duration_s=self.duration,
-                      ttft_p50_s=ttft50, ttft_p95_s=ttft95, itl_p50_s=itl50, itl_p95_s=itl95,
-                      kv_use=max(kv) if kv else None, load_ewma=self.load_ewma, rate_ewma=self.rate_ewma,
-                      predicted=predicted)
+        return Inputs(
+            dp=int(topo["dp_size"]),
+            scaling=bool(topo["scaling"] or topo.get("target") is not None),
+            inflight=inflight,
+            running=running,
+            waiting=waiting,
+            rate=rate,
+            duration_s=self.duration,
+            ttft_p50_s=ttft50,
+            ttft_p95_s=ttft95,
+            itl_p50_s=itl50,
+            itl_p95_s=itl95,
+            kv_use=max(kv) if kv else None,
+            load_ewma=self.load_ewma,
+            rate_ewma=self.rate_ewma,
+            predicted=predicted,
+        )
 
     def _track_operation(self, topo: dict, now: float) -> None:
         """Cooldown runs from the end of the last operation, whoever asked for it."""
@@ -429,9 +471,12 @@ class PlannerService:
         import aiohttp
 
         try:
-            async with self.session.post(f"{self.router_url}/scale", json={"dp_size": target, "mode": self.cfg.mode},
-                                         headers=self.headers,
-                                         timeout=aiohttp.ClientTimeout(total=self.cfg.http_timeout_s)) as r:
+            async with self.session.post(
+                f"{self.router_url}/scale",
+                json={"dp_size": target, "mode": self.cfg.mode},
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=self.cfg.http_timeout_s),
+            ) as r:
                 body = await r.text()
                 if r.status == 202:
                     self.requests["accepted"] += 1
@@ -448,9 +493,14 @@ class PlannerService:
         try:
             x = await self.observe()
         except Exception as e:
-            d = Decision(time=time.time(), action="keep", current=self.last.current if self.last else 0,
-                         target=self.last.current if self.last else 0, reason=f"no topology from the router ({e})",
-                         inputs={})
+            d = Decision(
+                time=time.time(),
+                action="keep",
+                current=self.last.current if self.last else 0,
+                target=self.last.current if self.last else 0,
+                reason=f"no topology from the router ({e})",
+                inputs={},
+            )
             return self._record(d)
         self.last_inputs = x
         action, target, reason = self.policy.decide(x, now)
@@ -465,8 +515,14 @@ class PlannerService:
         self.counts[d.action] += 1
         self.decisions.append(d)
         self.last = d
-        log.info("planner: decision %s target=%d current=%d inputs=%s reason=%s", d.action, d.target, d.current,
-                 msgspec.json.encode(d.inputs).decode(), d.reason)
+        log.info(
+            "planner: decision %s target=%d current=%d inputs=%s reason=%s",
+            d.action,
+            d.target,
+            d.current,
+            msgspec.json.encode(d.inputs).decode(),
+            d.reason,
+        )
         return d
 
     def metrics(self) -> str:
@@ -474,24 +530,54 @@ class PlannerService:
             return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples]
 
         x, d = self.last_inputs, self.last
-        lines = family("elastic_planner_target_dp", "gauge", "DP size the planner last decided on.",
-                       [f"elastic_planner_target_dp {d.target if d else 0}"])
-        lines += family("elastic_planner_current_dp", "gauge", "DP size the router reported.",
-                        [f"elastic_planner_current_dp {x.dp if x else 0}"])
-        lines += family("elastic_planner_min_dp", "gauge", "Lower bound.", [f"elastic_planner_min_dp {self.bounds.min_dp}"])
-        lines += family("elastic_planner_max_dp", "gauge", "Upper bound.", [f"elastic_planner_max_dp {self.bounds.max_dp}"])
-        lines += family("elastic_planner_decisions_total", "counter", "Planner decisions by action.",
-                        [f'elastic_planner_decisions_total{{action="{a}"}} {n}' for a, n in self.counts.items()])
-        lines += family("elastic_planner_scale_requests_total", "counter", "POST /scale sent, by result.",
-                        [f'elastic_planner_scale_requests_total{{result="{k}"}} {n}' for k, n in self.requests.items()])
+        lines = family(
+            "elastic_planner_target_dp",
+            "gauge",
+            "DP size the planner last decided on.",
+            [f"elastic_planner_target_dp {d.target if d else 0}"],
+        )
+        lines += family(
+            "elastic_planner_current_dp",
+            "gauge",
+            "DP size the router reported.",
+            [f"elastic_planner_current_dp {x.dp if x else 0}"],
+        )
+        lines += family(
+            "elastic_planner_min_dp", "gauge", "Lower bound.", [f"elastic_planner_min_dp {self.bounds.min_dp}"]
+        )
+        lines += family(
+            "elastic_planner_max_dp", "gauge", "Upper bound.", [f"elastic_planner_max_dp {self.bounds.max_dp}"]
+        )
+        lines += family(
+            "elastic_planner_decisions_total",
+            "counter",
+            "Planner decisions by action.",
+            [f'elastic_planner_decisions_total{{action="{a}"}} {n}' for a, n in self.counts.items()],
+        )
+        lines += family(
+            "elastic_planner_scale_requests_total",
+            "counter",
+            "POST /scale sent, by result.",
+            [f'elastic_planner_scale_requests_total{{result="{k}"}} {n}' for k, n in self.requests.items()],
+        )
         if x is not None:
-            lines += family("elastic_planner_load", "gauge", "Predicted load (running + waiting requests).",
-                            [f"elastic_planner_load {x.predicted}"])
-            lines += family("elastic_planner_inflight_requests", "gauge", "Requests in flight (last sample).",
-                            [f"elastic_planner_inflight_requests {x.inflight}"])
-            for name, v, help_ in (("elastic_planner_request_rate", x.rate_ewma, "Smoothed request rate (1/s)."),
-                                   ("elastic_planner_ttft_p95_seconds", x.ttft_p95_s, "TTFT p95, last interval."),
-                                   ("elastic_planner_itl_p95_seconds", x.itl_p95_s, "ITL p95, last interval.")):
+            lines += family(
+                "elastic_planner_load",
+                "gauge",
+                "Predicted load (running + waiting requests).",
+                [f"elastic_planner_load {x.predicted}"],
+            )
+            lines += family(
+                "elastic_planner_inflight_requests",
+                "gauge",
+                "Requests in flight (last sample).",
+                [f"elastic_planner_inflight_requests {x.inflight}"],
+            )
+            for name, v, help_ in (
+                ("elastic_planner_request_rate", x.rate_ewma, "Smoothed request rate (1/s)."),
+                ("elastic_planner_ttft_p95_seconds", x.ttft_p95_s, "TTFT p95, last interval."),
+                ("elastic_planner_itl_p95_seconds", x.itl_p95_s, "ITL p95, last interval."),
+            ):
                 if v is not None:
                     lines += family(name, "gauge", help_, [f"{name} {v}"])
         return "\n".join(lines) + "\n"
@@ -500,11 +586,21 @@ class PlannerService:
         import aiohttp
 
         async with aiohttp.ClientSession() as self.session:
-            log.info("planner: bounds %d..%d, step %d, thresholds up %g / down %g per rank, interval %gs, "
-                     "hysteresis %d up / %d down intervals, cooldown %gs; router %s, frontend %s",
-                     self.bounds.min_dp, self.bounds.max_dp, self.cfg.step, self.bounds.up, self.bounds.down,
-                     self.cfg.interval_s, self.cfg.up_intervals, self.cfg.down_intervals, self.cfg.cooldown_s,
-                     self.router_url, self.frontend_url)
+            log.info(
+                "planner: bounds %d..%d, step %d, thresholds up %g / down %g per rank, interval %gs, "
+                "hysteresis %d up / %d down intervals, cooldown %gs; router %s, frontend %s",
+                self.bounds.min_dp,
+                self.bounds.max_dp,
+                self.cfg.step,
+                self.bounds.up,
+                self.bounds.down,
+                self.cfg.interval_s,
+                self.cfg.up_intervals,
+                self.cfg.down_intervals,
+                self.cfg.cooldown_s,
+                self.router_url,
+                self.frontend_url,
+            )
             await self._wait_router(stop)
             while not stop.is_set():
                 t0 = time.monotonic()
@@ -514,7 +610,7 @@ class PlannerService:
                     log.exception("planner: tick failed")
                 try:
                     await asyncio.wait_for(stop.wait(), max(0.0, self.cfg.interval_s - (time.monotonic() - t0)))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     async def _wait_router(self, stop: asyncio.Event) -> None:
@@ -527,7 +623,7 @@ class PlannerService:
                 pass
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -543,8 +639,13 @@ async def serve() -> None:
     bounds = resolve(cfg, ctx.configs.get("Worker", {}))
     fe = ctx.configs.get("Frontend", {})
     rt = ctx.configs.get("Router", {})
-    svc = PlannerService(cfg, bounds, f"http://{_local(fe.get('host', '127.0.0.1'))}:{fe.get('port', 8000)}",
-                         f"http://{_local(rt.get('host', '127.0.0.1'))}:{rt.get('port', 8001)}", rt.get("token", ""))
+    svc = PlannerService(
+        cfg,
+        bounds,
+        f"http://{_local(fe.get('host', '127.0.0.1'))}:{fe.get('port', 8000)}",
+        f"http://{_local(rt.get('host', '127.0.0.1'))}:{rt.get('port', 8001)}",
+        rt.get("token", ""),
+    )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import aiohttp
 
@@ -36,7 +36,7 @@ class TargetReplica:
 
     sub_component_type: Any
     desired_replicas: int
-    component_name: Optional[str] = None
+    component_name: str | None = None
 
 
 @dataclass
@@ -61,8 +61,14 @@ def _desired(t: Any) -> int:
 
 
 class ElasticDPConnector:
-    def __init__(self, router_url: str = "http://127.0.0.1:8001", model_name: str = "", token: str = "",
-                 gpus_per_rank: int = 1, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        router_url: str = "http://127.0.0.1:8001",
+        model_name: str = "",
+        token: str = "",
+        gpus_per_rank: int = 1,
+        timeout_s: float = 600.0,
+    ):
         self.router_url = router_url.rstrip("/")
         self.model_name = model_name.lower()
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -117,12 +123,18 @@ class ElasticDPConnector:
     def get_worker_info(self, sub_component_type: Any = DECODE, backend: str = "vllm") -> WorkerInfo:
         return WorkerInfo(model_name=self.model_name)
 
-    async def validate_deployment(self, prefill_component_name: Optional[str] = None,
-                                  decode_component_name: Optional[str] = None, require_prefill: bool = True,
-                                  require_decode: bool = True) -> None:
+    async def validate_deployment(
+        self,
+        prefill_component_name: str | None = None,
+        decode_component_name: str | None = None,
+        require_prefill: bool = True,
+        require_decode: bool = True,
+    ) -> None:
         if require_prefill:
-            raise ValueError("this deployment is aggregated DEP (no prefill workers): run the planner with "
-                             "require_prefill=False / decode only")
+            raise ValueError(
+                "this deployment is aggregated DEP (no prefill workers): run the planner with "
+                "require_prefill=False / decode only"
+            )
         topo = await self.topology()
         if require_decode and not topo["active"]:
             raise ValueError("the deployment has no active rank")
@@ -141,11 +153,14 @@ class ElasticDPConnector:
     def get_model_name(self, require_prefill: bool = True, require_decode: bool = True) -> str:
         return self.model_name
 
-    def get_gpu_counts(self, require_prefill: bool = True, require_decode: bool = True) -> tuple[Optional[int], Optional[int]]:
+    def get_gpu_counts(
+        self, require_prefill: bool = True, require_decode: bool = True
+    ) -> tuple[int | None, int | None]:
         return (None if require_prefill else 0), self.gpus_per_rank
 
-    async def get_actual_worker_counts(self, prefill_component_name: Optional[str] = None,
-                                       decode_component_name: Optional[str] = None) -> tuple[int, int, bool]:
+    async def get_actual_worker_counts(
+        self, prefill_component_name: str | None = None, decode_component_name: str | None = None
+    ) -> tuple[int, int, bool]:
         topo = await self.topology()
         stable = not topo["scaling"] and topo.get("target") is None
         return 0, int(topo["dp_size"]), stable

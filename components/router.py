@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import os
 import logging
+import os
 import signal
 import time
 from typing import Any, ClassVar
@@ -19,18 +19,28 @@ from typing import Any, ClassVar
 import msgspec
 from aiohttp import web
 
+from components.capacity import LocalProvider
 from components.component import Component, component_config, load_context
 from components.control import (
-    Configure, Connect, ControlReply, Describe, LoadExperts, RankStatus, Resume, SetRoutable, decode_reply, encode,
+    Configure,
+    Connect,
+    ControlReply,
+    Describe,
+    LoadExperts,
+    RankStatus,
+    Resume,
+    SetRoutable,
+    decode_reply,
+    encode,
 )
 from components.engine.expert_map import Placement, balanced_placement
-from components.scaling import MODES, OpRecord, Operation, ScaleRequest, Scaler
-from components.capacity import LocalProvider
+from components.scaling import MODES, Operation, OpRecord, Scaler, ScaleRequest
 from components.worker import Worker
 
 log = logging.getLogger("components.router")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+OPEN_PATHS = ("/health", "/metrics")  # served without the bearer token (GET only)
 
 
 class Router(Component):
@@ -66,9 +76,11 @@ class Router(Component):
             raise ValueError(f"Router.host {config.host!r} exposes the control API: set Router.token too")
         worker = ctx.configs.get("Worker", {})
         if config.checkpoint_parked and worker.get("device") == "cuda" and not worker.get("vmm"):
-            raise ValueError("Router.checkpoint_parked needs --Worker.vmm=true: a CUDA checkpoint of a "
-                             "worker whose weights are not in the VMM arena holds them all, and one whose "
-                             "memory was exported for CUDA IPC cannot be restored")
+            raise ValueError(
+                "Router.checkpoint_parked needs --Worker.vmm=true: a CUDA checkpoint of a "
+                "worker whose weights are not in the VMM arena holds them all, and one whose "
+                "memory was exported for CUDA IPC cannot be restored"
+            )
         return super().processes(config, ctx)
 
 
@@ -87,6 +99,7 @@ class RankView(msgspec.Struct):
     expert_rows: int
     graph_captures: int
     replays_diverged: int
+    kv_usage: float  # KV cache in use, 0..1 (RankStatus.kv_used / kv_total)
     experts_layer0: list[int]
 
 
@@ -128,8 +141,9 @@ class RouterService:
         async for item in stream:
             reply = decode_reply(item.data())
         if reply is None or not reply.ok:
-            raise ControlError(f"rank {rank}: {type(msg).__name__.lower()} failed: "
-                               f"{reply.error if reply else 'no reply'}")
+            raise ControlError(
+                f"rank {rank}: {type(msg).__name__.lower()} failed: {reply.error if reply else 'no reply'}"
+            )
         self.status[rank] = reply.status
         return reply
 
@@ -194,15 +208,13 @@ class RouterService:
         await self.send_all(ranks, lambda r: Connect(peers={p: m for p, m in meta.items() if p != r}))
         st = self.status[0]
         self.num_experts = st.num_experts
-        placement = balanced_placement(st.num_moe_layers, st.num_experts, self.wcfg.max_ranks,
-                                       st.slots_per_rank, ranks)
+        placement = balanced_placement(st.num_moe_layers, st.num_experts, self.wcfg.max_ranks, st.slots_per_rank, ranks)
         await self.send_all(ranks, lambda r: LoadExperts(placement=placement))
         await self.send_all(ranks, lambda r: Configure(epoch=1, active=ranks, placement=placement))
         await self.send_all(ranks, lambda r: Resume())
         await self.send_all(ranks, lambda r: SetRoutable(routable=True))
         self.epoch, self.active, self.placement = 1, ranks, placement
-        log.info("epoch 1: ranks %s active and routable (%.1f s after start)", ranks,
-                 time.monotonic() - self.started)
+        log.info("epoch 1: ranks %s active and routable (%.1f s after start)", ranks, time.monotonic() - self.started)
         self.ready.set()
 
     async def refresh(self) -> None:
@@ -223,16 +235,38 @@ class RouterService:
         views = []
         for r, st in sorted(self.status.items()):
             experts = self.placement.experts_on(r, 0) if self.placement else []
-            views.append(RankView(rank=r, pid=st.pid, instance_id=st.instance_id, state=st.state, routable=st.routable,
-                                  paused=st.paused, epoch=st.epoch, steps=st.steps, running=st.running,
-                                  waiting=st.waiting, requests_total=st.requests_total, expert_rows=st.expert_rows,
-                                  graph_captures=st.graph_captures, replays_diverged=st.replays_diverged,
-                                  experts_layer0=[e for e in experts if e >= 0]))
+            views.append(
+                RankView(
+                    rank=r,
+                    pid=st.pid,
+                    instance_id=st.instance_id,
+                    state=st.state,
+                    routable=st.routable,
+                    paused=st.paused,
+                    epoch=st.epoch,
+                    steps=st.steps,
+                    running=st.running,
+                    waiting=st.waiting,
+                    requests_total=st.requests_total,
+                    expert_rows=st.expert_rows,
+                    graph_captures=st.graph_captures,
+                    replays_diverged=st.replays_diverged,
+                    kv_usage=st.kv_used / st.kv_total if st.kv_total else 0.0,
+                    experts_layer0=[e for e in experts if e >= 0],
+                )
+            )
         sc = self.scaler
         op = sc.current.record if sc and sc.current else (sc.history[-1] if sc and sc.history else None)
-        return Topology(epoch=self.epoch, dp_size=len(self.active), max_ranks=self.wcfg.max_ranks,
-                        active=self.active, ranks=views, scaling=bool(sc and sc.busy),
-                        target=sc.pending.dp_size if sc and sc.pending else None, operation=op)
+        return Topology(
+            epoch=self.epoch,
+            dp_size=len(self.active),
+            max_ranks=self.wcfg.max_ranks,
+            active=self.active,
+            ranks=views,
+            scaling=bool(sc and sc.busy),
+            target=sc.pending.dp_size if sc and sc.pending else None,
+            operation=op,
+        )
 
     def metrics(self) -> str:
         def family(name, kind, help_, samples):
@@ -240,31 +274,73 @@ class RouterService:
 
         st = sorted(self.status.items())
         last = self.scaler.history[-1] if self.scaler and self.scaler.history else None
-        lines = family("elastic_router_epoch", "gauge", "Current topology epoch.", [f"elastic_router_epoch {self.epoch}"])
-        lines += family("elastic_router_active_ranks", "gauge", "Ranks in the active set.",
-                        [f"elastic_router_active_ranks {len(self.active)}"])
-        lines += family("elastic_router_scaling", "gauge", "1 while a scale operation runs or is queued.",
-                        [f"elastic_router_scaling {int(bool(self.scaler and self.scaler.busy))}"])
-        lines += family("elastic_scale_operations_total", "counter", "Scale operations by kind and outcome.",
-                        [f'elastic_scale_operations_total{{kind="{k}",result="{p}"}} {n}'
-                         for (k, p), n in sorted(self.op_results.items())])
+        lines = family(
+            "elastic_router_epoch", "gauge", "Current topology epoch.", [f"elastic_router_epoch {self.epoch}"]
+        )
+        lines += family(
+            "elastic_router_active_ranks",
+            "gauge",
+            "Ranks in the active set.",
+            [f"elastic_router_active_ranks {len(self.active)}"],
+        )
+        lines += family(
+            "elastic_router_scaling",
+            "gauge",
+            "1 while a scale operation runs or is queued.",
+            [f"elastic_router_scaling {int(bool(self.scaler and self.scaler.busy))}"],
+        )
+        lines += family(
+            "elastic_scale_operations_total",
+            "counter",
+            "Scale operations by kind and outcome.",
+            [
+                f'elastic_scale_operations_total{{kind="{k}",result="{p}"}} {n}'
+                for (k, p), n in sorted(self.op_results.items())
+            ],
+        )
         if last is not None:
-            lines += family("elastic_scale_last_downtime_seconds", "gauge",
-                            "Downtime of the last scale commit (first pause to last resume).",
-                            [f'elastic_scale_last_downtime_seconds{{op="{last.id}"}} {last.downtime_s or 0}'])
-            lines += family("elastic_scale_last_total_seconds", "gauge", "Duration of the last scale operation.",
-                            [f'elastic_scale_last_total_seconds{{op="{last.id}"}} {last.total_s or 0}'])
-            lines += family("elastic_scale_last_phase_seconds", "gauge", "Seconds per phase of the last operation.",
-                            [f'elastic_scale_last_phase_seconds{{op="{last.id}",phase="{p}"}} {v}'
-                             for p, v in last.phases.items()])
-        lines += family("elastic_rank_steps", "counter", "Engine steps taken by a rank.",
-                        [f'elastic_rank_steps{{rank="{r}"}} {s.steps}' for r, s in st])
-        lines += family("elastic_rank_running_requests", "gauge", "Requests running on a rank.",
-                        [f'elastic_rank_running_requests{{rank="{r}"}} {s.running}' for r, s in st])
-        lines += family("elastic_rank_requests_total", "counter", "Requests a rank accepted.",
-                        [f'elastic_rank_requests_total{{rank="{r}"}} {s.requests_total}' for r, s in st])
-        lines += family("elastic_rank_expert_rows", "counter", "Token-expert pairs computed by a rank.",
-                        [f'elastic_rank_expert_rows{{rank="{r}"}} {s.expert_rows}' for r, s in st])
+            lines += family(
+                "elastic_scale_last_downtime_seconds",
+                "gauge",
+                "Downtime of the last scale commit (first pause to last resume).",
+                [f'elastic_scale_last_downtime_seconds{{op="{last.id}"}} {last.downtime_s or 0}'],
+            )
+            lines += family(
+                "elastic_scale_last_total_seconds",
+                "gauge",
+                "Duration of the last scale operation.",
+                [f'elastic_scale_last_total_seconds{{op="{last.id}"}} {last.total_s or 0}'],
+            )
+            lines += family(
+                "elastic_scale_last_phase_seconds",
+                "gauge",
+                "Seconds per phase of the last operation.",
+                [f'elastic_scale_last_phase_seconds{{op="{last.id}",phase="{p}"}} {v}' for p, v in last.phases.items()],
+            )
+        lines += family(
+            "elastic_rank_steps",
+            "counter",
+            "Engine steps taken by a rank.",
+            [f'elastic_rank_steps{{rank="{r}"}} {s.steps}' for r, s in st],
+        )
+        lines += family(
+            "elastic_rank_running_requests",
+            "gauge",
+            "Requests running on a rank.",
+            [f'elastic_rank_running_requests{{rank="{r}"}} {s.running}' for r, s in st],
+        )
+        lines += family(
+            "elastic_rank_requests_total",
+            "counter",
+            "Requests a rank accepted.",
+            [f'elastic_rank_requests_total{{rank="{r}"}} {s.requests_total}' for r, s in st],
+        )
+        lines += family(
+            "elastic_rank_expert_rows",
+            "counter",
+            "Token-expert pairs computed by a rank.",
+            [f'elastic_rank_expert_rows{{rank="{r}"}} {s.expert_rows}' for r, s in st],
+        )
         return "\n".join(lines) + "\n"
 
     def parse_scale(self, body: bytes, field: str) -> ScaleRequest:
@@ -284,8 +360,10 @@ class RouterService:
         if n < lo:
             raise ValueError(f"{field} must be at least {lo} (Worker.min_ranks), got {n}")
         if n > hi:
-            raise ValueError(f"{field} {n} exceeds max_ranks {hi}: the EP buffers and expert slots were sized "
-                             f"for {hi} ranks at launch")
+            raise ValueError(
+                f"{field} {n} exceeds max_ranks {hi}: the EP buffers and expert slots were sized "
+                f"for {hi} ranks at launch"
+            )
         mode = raw.get("mode", "C")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -300,7 +378,8 @@ class RouterService:
     def app(self) -> web.Application:
         @web.middleware
         async def auth(request, handler):
-            if self.cfg.token:
+            # Probes and scrapers read health and metrics without the token; both are read-only.
+            if self.cfg.token and not (request.method in ("GET", "HEAD") and request.path in OPEN_PATHS):
                 given = request.headers.get("Authorization", "")
                 if not hmac.compare_digest(given, f"Bearer {self.cfg.token}"):
                     return web.json_response({"error": "missing or wrong bearer token"}, status=401)
@@ -314,8 +393,9 @@ class RouterService:
 
         async def health(_):
             ok = self.ready.is_set()
-            return web.json_response({"status": "ready" if ok else "starting", "epoch": self.epoch},
-                                     status=200 if ok else 503)
+            return web.json_response(
+                {"status": "ready" if ok else "starting", "epoch": self.epoch}, status=200 if ok else 503
+            )
 
         async def metrics(_):
             return web.Response(text=self.metrics(), content_type="text/plain")
@@ -350,16 +430,25 @@ class RouterService:
                 return err
             rec = await self.scaler.wait_idle()
             ok = rec is not None and rec.phase == "done" and len(self.active) == req.dp_size
-            return web.json_response({"success": ok, "new_data_parallel_size": len(self.active),
-                                      "operation": msgspec.to_builtins(rec)}, status=200 if ok else 500)
+            return web.json_response(
+                {"success": ok, "new_data_parallel_size": len(self.active), "operation": msgspec.to_builtins(rec)},
+                status=200 if ok else 500,
+            )
 
         async def is_scaling(_):
             return web.json_response({"is_scaling": bool(self.scaler and self.scaler.busy)})
 
         app = web.Application(middlewares=[auth])
-        app.add_routes([web.get("/topology", topology), web.get("/health", health), web.get("/metrics", metrics),
-                        web.post("/scale", scale), web.post("/scale_elastic_ep", scale_elastic_ep),
-                        web.post("/is_scaling_elastic_ep", is_scaling)])
+        app.add_routes(
+            [
+                web.get("/topology", topology),
+                web.get("/health", health),
+                web.get("/metrics", metrics),
+                web.post("/scale", scale),
+                web.post("/scale_elastic_ep", scale_elastic_ep),
+                web.post("/is_scaling_elastic_ep", is_scaling),
+            ]
+        )
         return app
 
 

@@ -32,9 +32,7 @@ def runtime_env(ctx: GraphContext) -> dict[str, str]:
         env["DYN_FILE_KV"] = ctx.discovery_dir
         # File discovery only spans one machine, so advertise loopback: no interface guessing.
         env["DYN_TCP_RPC_HOST"] = os.environ.get("DYN_TCP_RPC_HOST", LOOPBACK)
-        env["DYN_TCP_RESPONSE_STREAM_HOST"] = os.environ.get(
-            "DYN_TCP_RESPONSE_STREAM_HOST", LOOPBACK
-        )
+        env["DYN_TCP_RESPONSE_STREAM_HOST"] = os.environ.get("DYN_TCP_RESPONSE_STREAM_HOST", LOOPBACK)
     elif ctx.discovery == "etcd":
         if not ctx.etcd_endpoints:
             raise ValueError("etcd discovery needs etcd_endpoints")

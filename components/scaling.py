@@ -24,8 +24,20 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from components.control import (
-    Configure, Connect, Disconnect, Drain, EndExport, Exit, ExportWeights, Park, Pause, PullWeights, Restore, Resume,
-    SetRoutable, Warmup,
+    Configure,
+    Connect,
+    Disconnect,
+    Drain,
+    EndExport,
+    Exit,
+    ExportWeights,
+    Park,
+    Pause,
+    PullWeights,
+    Restore,
+    Resume,
+    SetRoutable,
+    Warmup,
 )
 from components.engine.expert_map import Placement, changed_slots, grow, interim, rebalance, shrink
 from components.engine.rank import expert_slot_name
@@ -110,7 +122,7 @@ class ScaleRequest(msgspec.Struct, frozen=True):
 class Operation:
     _ids = itertools.count(1)
 
-    def __init__(self, scaler: "Scaler", req: ScaleRequest, kind: str):
+    def __init__(self, scaler: Scaler, req: ScaleRequest, kind: str):
         svc = scaler.svc
         self.scaler, self.svc, self.req = scaler, svc, req
         self.id = f"op-{next(self._ids)}-{kind}-{len(svc.active)}to{req.dp_size}"
@@ -121,9 +133,18 @@ class Operation:
         self.old_placement = svc.placement
         free = [r for r in range(svc.wcfg.max_ranks) if r not in svc.active]
         joiners = free[: max(0, req.dp_size - len(svc.active))] if kind == "up" else []
-        leaving = sorted(svc.active)[req.dp_size:] if kind == "down" else []
-        self.record = OpRecord(id=self.id, kind=kind, mode=req.mode, from_size=len(svc.active), to_size=req.dp_size,
-                               phase=self.phase.value, joiners=joiners, leaving=leaving, phases={})
+        leaving = sorted(svc.active)[req.dp_size :] if kind == "down" else []
+        self.record = OpRecord(
+            id=self.id,
+            kind=kind,
+            mode=req.mode,
+            from_size=len(svc.active),
+            to_size=req.dp_size,
+            phase=self.phase.value,
+            joiners=joiners,
+            leaving=leaving,
+            phases={},
+        )
         self.joiners, self.leaving = joiners, leaving
         self.committed = False
         self.rolled_back = False
@@ -137,8 +158,15 @@ class Operation:
         spent = now - self._phase_t0
         if self.phase is not Phase.QUEUED:
             self.record.phases[self.phase.value] = round(self.record.phases.get(self.phase.value, 0.0) + spent, 6)
-        log.info("[op %s] %s -> %s (%.3f s in %s)%s", self.id, self.phase.value, new.value, spent, self.phase.value,
-                 f": {reason}" if reason else "")
+        log.info(
+            "[op %s] %s -> %s (%.3f s in %s)%s",
+            self.id,
+            self.phase.value,
+            new.value,
+            spent,
+            self.phase.value,
+            f": {reason}" if reason else "",
+        )
         self.phase, self._phase_t0 = new, now
         self.record.phase = new.value
         if new in _FINAL:
@@ -183,9 +211,13 @@ class Operation:
             src_slot = choices[next(turn) % len(choices)]
             src = src_slot // current.slots_per_rank
             for part in ("gate", "up", "down"):
-                items.setdefault(dst, []).append(PullItem(
-                    src_rank=src, src_name=expert_slot_name(layer, src_slot % current.slots_per_rank, part),
-                    dst_name=expert_slot_name(layer, slot % target.slots_per_rank, part)))
+                items.setdefault(dst, []).append(
+                    PullItem(
+                        src_rank=src,
+                        src_name=expert_slot_name(layer, src_slot % current.slots_per_rank, part),
+                        dst_name=expert_slot_name(layer, slot % target.slots_per_rank, part),
+                    )
+                )
         if dense_to:
             # One full manifest names the dense weights and serves as that source's manifest.
             probe = (await self.call([sources[0]], lambda r: ExportWeights(names=None)))[0].manifest
@@ -203,23 +235,30 @@ class Operation:
         replies = await self.call(ask, lambda r: ExportWeights(names=sorted(need[r])))
         manifests.update({r: rep.manifest for r, rep in zip(ask, replies)})
         try:
-            done = await self.call(sorted(items), lambda r: PullWeights(
-                sources={s: manifests[s] for s in {it.src_rank for it in items[r]}}, items=items[r], op=self.id))
+            done = await self.call(
+                sorted(items),
+                lambda r: PullWeights(
+                    sources={s: manifests[s] for s in {it.src_rank for it in items[r]}}, items=items[r], op=self.id
+                ),
+            )
         finally:
             exporters = set(need) | set(manifests)
-            await asyncio.gather(*(self.call([r], lambda r: EndExport()) for r in sorted(exporters)),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                *(self.call([r], lambda r: EndExport()) for r in sorted(exporters)), return_exceptions=True
+            )
         self.record.pull_bytes += sum(rep.pull.bytes for rep in done)
 
-    async def commit(self, active: list[int], placement: Placement, warm: list[int] = (),
-                     recapture: bool = False) -> float:
+    async def commit(
+        self, active: list[int], placement: Placement, warm: list[int] = (), recapture: bool = False
+    ) -> float:
         """Pause every rank involved at one step boundary, install the new active set and expert
         map in place, resume; returns the downtime. On failure roll everyone back to the previous
         set under a new epoch."""
         svc = self.svc
         # Leaving ranks that already exited (a follow-up rebalance) are no longer known.
-        involved = sorted(r for r in set(svc.active) | set(active) | set(self.joiners) | set(self.leaving)
-                          if r in svc.instances)
+        involved = sorted(
+            r for r in set(svc.active) | set(active) | set(self.joiners) | set(self.leaving) if r in svc.instances
+        )
         epoch = svc.epoch + 1
         timeout = svc.cfg.commit_timeout_s
         t0 = self.pause_t0 or time.monotonic()
@@ -229,8 +268,11 @@ class Operation:
             await self.call(involved, lambda r: Pause(), timeout)
             if warm:  # mode B: the preparation the design keeps out of the pause
                 await self.call(warm, lambda r: Warmup(placement=placement, recapture=recapture, op=self.id))
-            await self.call(involved, lambda r: Configure(epoch=epoch, active=active if r in active else [],
-                                                          placement=placement), timeout)
+            await self.call(
+                involved,
+                lambda r: Configure(epoch=epoch, active=active if r in active else [], placement=placement),
+                timeout,
+            )
             await self.call(involved, lambda r: Resume(), timeout)
         except Exception as e:
             await self.rollback(involved, epoch + 1, f"commit of epoch {epoch} failed: {e}")
@@ -245,10 +287,14 @@ class Operation:
         log.error("[op %s] rolling back to ranks %s at epoch %d: %s", self.id, svc.active, epoch, reason)
         old = svc.active
         reachable = [r for r in involved if self.scaler.provider.alive(r) is not False]
-        for msg in (lambda r: Pause(), lambda r: Configure(epoch=epoch, active=old if r in old else [], placement=svc.placement),
-                    lambda r: Resume()):
-            results = await asyncio.gather(*(self.call([r], msg, svc.cfg.commit_timeout_s) for r in reachable),
-                                           return_exceptions=True)
+        for msg in (
+            lambda r: Pause(),
+            lambda r: Configure(epoch=epoch, active=old if r in old else [], placement=svc.placement),
+            lambda r: Resume(),
+        ):
+            results = await asyncio.gather(
+                *(self.call([r], msg, svc.cfg.commit_timeout_s) for r in reachable), return_exceptions=True
+            )
             for r, res in zip(reachable, results):
                 if isinstance(res, Exception):
                     log.error("[op %s] rank %d missed the rollback: %s", self.id, r, res)
@@ -282,9 +328,14 @@ class Operation:
         await self.call(svc.active, lambda r: Connect(peers={j: meta[j] for j in self.joiners}, activate=False))
         await self.call(self.joiners, lambda r: Connect(peers={p: m for p, m in meta.items() if p != r}))
         self.transition(Phase.COMMITTING)
-        self.scale_committed(await self.commit(sorted(svc.active + self.joiners), target,
-                                               warm=self.joiners if req.mode in ("A", "B") else (),
-                                               recapture=req.mode in ("A", "B")))
+        self.scale_committed(
+            await self.commit(
+                sorted(svc.active + self.joiners),
+                target,
+                warm=self.joiners if req.mode in ("A", "B") else (),
+                recapture=req.mode in ("A", "B"),
+            )
+        )
         await self.call(self.joiners, lambda r: SetRoutable(routable=True))
 
     async def scale_down(self) -> None:
@@ -301,16 +352,22 @@ class Operation:
         # Handed-over requests go to remaining ranks by name: a routing table that still lists a
         # leaving rank would send one to a rank about to park.
         targets = [svc.status[r].instance_id for r in remaining]
-        drained = asyncio.ensure_future(self.call(
-            self.leaving, lambda r: Drain(timeout_s=drain_s, targets=targets, op=self.id),
-            drain_s + svc.cfg.prepare_timeout_s))
+        drained = asyncio.ensure_future(
+            self.call(
+                self.leaving,
+                lambda r: Drain(timeout_s=drain_s, targets=targets, op=self.id),
+                drain_s + svc.cfg.prepare_timeout_s,
+            )
+        )
         self.transition(Phase.MIGRATING, "experts of leaving ranks to remaining ranks")
         interim_downtime = await self.migrate(current, target, sources=svc.active)
         self.record.handed_over = sum(rep.handed_over for rep in await drained)
         self.transition(Phase.COMMITTING)
         rebuild = req.mode in ("A", "B")  # re-warm and re-capture inside the pause
-        self.scale_committed(interim_downtime + await self.commit(remaining, target, warm=remaining if rebuild else (),
-                                                                  recapture=rebuild))
+        self.scale_committed(
+            interim_downtime
+            + await self.commit(remaining, target, warm=remaining if rebuild else (), recapture=rebuild)
+        )
         park = svc.cfg.park_leaving
         self.transition(Phase.CLEANUP, f"ranks {self.leaving} disconnect and {'park' if park else 'exit'}")
         await self.call(remaining, lambda r: Disconnect(ranks=self.leaving))
@@ -364,17 +421,26 @@ class Operation:
         svc = self.svc
         log.error("[op %s] aborting in %s: %s", self.id, self.phase.value, reason)
         if self.joiners:
-            await asyncio.gather(*(self.call([r], lambda r: Disconnect(ranks=self.joiners), svc.cfg.commit_timeout_s)
-                                   for r in svc.active), return_exceptions=True)
+            await asyncio.gather(
+                *(
+                    self.call([r], lambda r: Disconnect(ranks=self.joiners), svc.cfg.commit_timeout_s)
+                    for r in svc.active
+                ),
+                return_exceptions=True,
+            )
             for j in self.joiners:
                 await self.scaler.provider.release(j, self.id, graceful=False)
                 svc.forget(j)
         if self.leaving:  # back into routing: they never left the active set
-            await asyncio.gather(*(self.call([r], lambda r: SetRoutable(routable=True), svc.cfg.commit_timeout_s)
-                                   for r in self.leaving), return_exceptions=True)
+            await asyncio.gather(
+                *(self.call([r], lambda r: SetRoutable(routable=True), svc.cfg.commit_timeout_s) for r in self.leaving),
+                return_exceptions=True,
+            )
         if self.pause_t0 is not None:  # mode A paused serving for the operation
-            await asyncio.gather(*(self.call([r], lambda r: Resume(), svc.cfg.commit_timeout_s) for r in svc.active),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                *(self.call([r], lambda r: Resume(), svc.cfg.commit_timeout_s) for r in svc.active),
+                return_exceptions=True,
+            )
 
     async def execute(self) -> None:
         try:
@@ -400,7 +466,7 @@ class Operation:
 class Scaler:
     """Runs operations one at a time toward the latest requested size."""
 
-    def __init__(self, svc: "RouterService", provider: "CapacityProvider"):
+    def __init__(self, svc: RouterService, provider: CapacityProvider):
         self.svc, self.provider = svc, provider
         self.pending: ScaleRequest | None = None
         self.current: Operation | None = None

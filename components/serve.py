@@ -25,6 +25,7 @@ import yaml
 
 from components.component import (
     COMPONENT_ENV,
+    EXIT_CANNOT_START,
     GRAPH_ENV,
     Component,
     GraphContext,
@@ -267,8 +268,10 @@ def describe_graph(comps: list[type[Component]]) -> str:
         if not fields:
             lines.append("      (no fields)")
         for f in fields:
-            default = f.default if f.default is not msgspec.NODEFAULT else (
-                "<required>" if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+            default = (
+                f.default
+                if f.default is not msgspec.NODEFAULT
+                else ("<required>" if f.default_factory is msgspec.NODEFAULT else f.default_factory())
             )
             lines.append(f"      --{comp.__name__}.{f.name}: {_type_name(f.type)} = {default!r}")
     return "\n".join(lines)
@@ -378,13 +381,18 @@ class Supervisor:
         if child.pump is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(child.pump), 2.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass  # a grandchild still holds the pipe; its output keeps flowing
         if self.stop.is_set():
             return
         what = f"component {child.label} (pid {child.proc.pid}) {_describe_exit(rc)}"
         tail = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
-        if child.spec.critical:
+        if rc == EXIT_CANNOT_START:
+            said = [line for line in child.tail if "cannot start: " in line]
+            reason = said[-1].split("cannot start: ", 1)[1] if said else "(no reason given)"
+            _err(f"{child.label} cannot start: {reason}; stopping the graph")
+            self.request_stop(f"{child.label} cannot start", 1)
+        elif child.spec.critical:
             _err(f"{what}; it is critical, stopping the graph. Last log lines:\n{tail}")
             self.request_stop(f"{child.label} died", 1)
         else:
@@ -409,9 +417,7 @@ class Supervisor:
             _signal_group(c, signal.SIGTERM)
         alive = [c for c in self.children if c.proc.returncode is None]
         if alive and not self.force:
-            await asyncio.wait(
-                [asyncio.create_task(c.proc.wait()) for c in alive], timeout=STOP_GRACE_S
-            )
+            await asyncio.wait([asyncio.create_task(c.proc.wait()) for c in alive], timeout=STOP_GRACE_S)
             for c in alive:
                 if c.proc.returncode is None:
                     _err(f"{c.label} (pid {c.proc.pid}) did not stop within {STOP_GRACE_S:.0f} s: SIGKILL")
@@ -423,7 +429,7 @@ class Supervisor:
             if c.pump is not None:
                 try:
                     await asyncio.wait_for(c.pump, 1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
 
@@ -466,7 +472,9 @@ async def run_graph(ctx: GraphContext, plan: list[tuple[str, ProcessSpec]]) -> i
     return sup.exit_code
 
 
-def _banner(root: str, comps: list[type[Component]], configs: dict[str, msgspec.Struct], ctx: GraphContext, n: int) -> None:
+def _banner(
+    root: str, comps: list[type[Component]], configs: dict[str, msgspec.Struct], ctx: GraphContext, n: int
+) -> None:
     where = ctx.discovery_dir if ctx.discovery == "file" else ctx.etcd_endpoints
     print(f"dynamo serve {root}: {n} processes, namespace {ctx.namespace!r}, {ctx.discovery} discovery ({where})")
     for comp in comps:
@@ -492,21 +500,43 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         add_help=False,
         allow_abbrev=False,  # `--disc...` must never swallow a `--Name.key` override
     )
-    serve.add_argument("graph", nargs="?", help="graph root: graphs/elastic:Frontend (file path, "
-                       "relative to cwd, .py optional) or graphs.elastic:Frontend (module)")
-    serve.add_argument("-h", "--help", action="store_true", help="show this help (and, with a graph, its config fields)")
+    serve.add_argument(
+        "graph",
+        nargs="?",
+        help="graph root: graphs/elastic:Frontend (file path, "
+        "relative to cwd, .py optional) or graphs.elastic:Frontend (module)",
+    )
+    serve.add_argument(
+        "-h", "--help", action="store_true", help="show this help (and, with a graph, its config fields)"
+    )
     serve.add_argument("-f", "--config-file", metavar="YAML", help="YAML file: {ComponentName: {field: value}}")
-    serve.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "elastic"),
-                       help="Dynamo namespace of every component (default: $DYN_NAMESPACE or 'elastic')")
-    serve.add_argument("--discovery", choices=("file", "etcd"), default="file",
-                       help="service discovery: 'file' (default; a private temp dir deleted on exit, "
-                       "one machine, no etcd/NATS) or 'etcd' (clusters)")
-    serve.add_argument("--discovery-dir", metavar="DIR", default="",
-                       help="file discovery: use DIR instead of a private temp dir (kept on exit)")
-    serve.add_argument("--etcd-endpoints", metavar="URLS", default=os.environ.get("ETCD_ENDPOINTS", ""),
-                       help="etcd discovery: comma-separated endpoints (default: $ETCD_ENDPOINTS)")
-    serve.add_argument("--dry-run", action="store_true",
-                       help="resolve configs, print the processes that would start, and exit")
+    serve.add_argument(
+        "--namespace",
+        default=os.environ.get("DYN_NAMESPACE", "elastic"),
+        help="Dynamo namespace of every component (default: $DYN_NAMESPACE or 'elastic')",
+    )
+    serve.add_argument(
+        "--discovery",
+        choices=("file", "etcd"),
+        default="file",
+        help="service discovery: 'file' (default; a private temp dir deleted on exit, "
+        "one machine, no etcd/NATS) or 'etcd' (clusters)",
+    )
+    serve.add_argument(
+        "--discovery-dir",
+        metavar="DIR",
+        default="",
+        help="file discovery: use DIR instead of a private temp dir (kept on exit)",
+    )
+    serve.add_argument(
+        "--etcd-endpoints",
+        metavar="URLS",
+        default=os.environ.get("ETCD_ENDPOINTS", ""),
+        help="etcd discovery: comma-separated endpoints (default: $ETCD_ENDPOINTS)",
+    )
+    serve.add_argument(
+        "--dry-run", action="store_true", help="resolve configs, print the processes that would start, and exit"
+    )
     return top, serve
 
 
@@ -589,7 +619,7 @@ def main(argv: list[str] | None = None) -> None:
         if own_dir:
             shutil.rmtree(discovery_dir, ignore_errors=True)
         print(msgspec.json.format(msgspec.json.encode(ctx.configs)).decode())
-        for component, spec in plan:
+        for _component, spec in plan:
             print(f"{spec.label}{'' if spec.critical else ' (non-critical)'}: {' '.join(spec.argv)}")
         sys.exit(0)
 

@@ -11,19 +11,45 @@ import argparse
 import asyncio
 import logging
 import os
-import time
 import signal
 import sys
+import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator, ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 
-from components.component import Component, GraphContext, ProcessSpec, component_config, load_context
+from components.component import (
+    EXIT_CANNOT_START,
+    Component,
+    GraphContext,
+    ProcessSpec,
+    component_config,
+    load_context,
+)
 from components.control import (
-    Configure, Connect, ControlReply, Describe, Disconnect, Drain, EndExport, Exit, ExportWeights, LoadExperts, Park,
-    Pause, PullWeights, RankStatus, Restore, Resume, SetRoutable, Warmup, decode_request, encode,
+    Configure,
+    Connect,
+    ControlReply,
+    Describe,
+    Disconnect,
+    Drain,
+    EndExport,
+    Exit,
+    ExportWeights,
+    LoadExperts,
+    Park,
+    Pause,
+    PullWeights,
+    RankStatus,
+    Restore,
+    Resume,
+    SetRoutable,
+    Warmup,
+    decode_request,
+    encode,
 )
 from components.lifecycle import Lifecycle, RankState
 
@@ -40,7 +66,7 @@ class Worker(Component):
         max_ranks: int = 4  # the most ranks the deployment can grow to (sizes EP buffers)
         min_ranks: int = 1  # the fewest ranks it can shrink to (sizes the expert slots)
         max_seqs: int = 16
-        max_len: int = 1024
+        max_len: int = 0  # longest sequence; 0 = the model's context length, capped by memory
         max_batched_tokens: int = 256
         # Baked snapshots (`snapshot-bake bake`) joiners may start from; "" = none. One that does not
         # match this deployment, or fails its checksums, is refused and the joiner cold-starts.
@@ -53,11 +79,13 @@ class Worker(Component):
     module: ClassVar[str] = "components.worker"
 
     @classmethod
-    def check(cls, c: "Worker.Config") -> None:
+    def check(cls, c: Worker.Config) -> None:
         if not 1 <= c.min_ranks <= c.max_ranks:
             raise ValueError(f"Worker.min_ranks ({c.min_ranks}) must be in 1..max_ranks ({c.max_ranks})")
         if not c.min_ranks <= c.dp_size <= c.max_ranks:
-            raise ValueError(f"Worker.dp_size ({c.dp_size}) must be in min_ranks..max_ranks ({c.min_ranks}..{c.max_ranks})")
+            raise ValueError(
+                f"Worker.dp_size ({c.dp_size}) must be in min_ranks..max_ranks ({c.min_ranks}..{c.max_ranks})"
+            )
         if c.device not in ("cpu", "cuda"):
             raise ValueError(f"Worker.device must be 'cpu' or 'cuda', not {c.device!r}")
 
@@ -86,7 +114,7 @@ class Faults(msgspec.Struct, frozen=True):
     stall_configure: float = 0.0
 
     @classmethod
-    def from_env(cls) -> "Faults":
+    def from_env(cls) -> Faults:
         spec = os.environ.get(FAULT_ENV, "")
         fields: dict[str, Any] = {}
         for part in filter(None, spec.split(",")):
@@ -99,9 +127,17 @@ def rank_config(c: Worker.Config, rank: int):
     """The engine configuration of rank `rank` under this worker configuration."""
     from components.engine.rank import RankConfig, rank_device
 
-    return RankConfig(rank=rank, max_ranks=c.max_ranks, device=rank_device(c.device, rank), dtype=c.dtype, max_seqs=c.max_seqs,
-                      max_len=c.max_len, max_batched_tokens=c.max_batched_tokens, min_ranks=c.min_ranks,
-                      vmm=c.vmm)
+    return RankConfig(
+        rank=rank,
+        max_ranks=c.max_ranks,
+        device=rank_device(c.device, rank),
+        dtype=c.dtype,
+        max_seqs=c.max_seqs,
+        max_len=c.max_len,
+        max_batched_tokens=c.max_batched_tokens,
+        min_ranks=c.min_ranks,
+        vmm=c.vmm,
+    )
 
 
 def model_source(cfg: Worker.Config) -> tuple[str, str]:
@@ -164,7 +200,9 @@ class RankServer:
         e.comm.set_active([], 0)
         e.start()
         if self.join:
-            log.info("rank %d: joiner up in %.2f s, waiting for weights from peers", self.rank, time.perf_counter() - t0)
+            log.info(
+                "rank %d: joiner up in %.2f s, waiting for weights from peers", self.rank, time.perf_counter() - t0
+            )
         else:
             self.life.transition(RankState.LOADED, f"cold start from {model_dir} in {time.perf_counter() - t0:.2f} s")
 
@@ -175,8 +213,13 @@ class RankServer:
 
         e = self.engine
         self.stores_opened += 1
-        self.store = WeightStore(self.rank, e.weight_tensors(), device=e.cfg.device, arena=e.arena,
-                                 name=f"weights-{self.rank}-{os.getpid()}-{self.stores_opened}")
+        self.store = WeightStore(
+            self.rank,
+            e.weight_tensors(),
+            device=e.cfg.device,
+            arena=e.arena,
+            name=f"weights-{self.rank}-{os.getpid()}-{self.stores_opened}",
+        )
 
     def check_snapshot(self) -> None:
         """A joiner started from a baked snapshot: it must fit this deployment and be intact;
@@ -194,14 +237,30 @@ class RankServer:
     def status(self) -> RankStatus:
         e = self.engine
         return RankStatus(
-            rank=self.rank, pid=os.getpid(), instance_id=self.gen_ep.connection_id(), metadata=e.comm.metadata(),
-            model_identity=self.identity, num_experts=e.model_config.num_experts,
-            num_moe_layers=len(e.model.moe_layers), slots_per_rank=e.slots_per_rank, epoch=e.epoch,
-            active=list(e.comm.active), connected=list(e.comm.connected), paused=e.paused,
-            routable=self.routable.is_set(), steps=e.steps, state=self.life.state.name,
-            load=[moe.load.tolist() for _, moe in e.model.moe_layers], running=len(e.sched.running),
-            waiting=len(e.sched.waiting), requests_total=e.requests_total, expert_rows=e.expert_rows,
-            graph_captures=e.graphs.captures if e.graphs else 0, replays_diverged=e.sched.replays_diverged,
+            rank=self.rank,
+            pid=os.getpid(),
+            instance_id=self.gen_ep.connection_id(),
+            metadata=e.comm.metadata(),
+            model_identity=self.identity,
+            num_experts=e.model_config.num_experts,
+            num_moe_layers=len(e.model.moe_layers),
+            slots_per_rank=e.slots_per_rank,
+            epoch=e.epoch,
+            active=list(e.comm.active),
+            connected=list(e.comm.connected),
+            paused=e.paused,
+            routable=self.routable.is_set(),
+            steps=e.steps,
+            state=self.life.state.name,
+            load=[moe.load.tolist() for _, moe in e.model.moe_layers],
+            running=len(e.sched.running),
+            waiting=len(e.sched.waiting),
+            requests_total=e.requests_total,
+            expert_rows=e.expert_rows,
+            graph_captures=e.graphs.captures if e.graphs else 0,
+            replays_diverged=e.sched.replays_diverged,
+            kv_used=e.sched.slots_used,
+            kv_total=e.sched.max_seqs,
         )
 
     async def generate(self, raw: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
@@ -210,7 +269,7 @@ class RankServer:
         await self.routable.wait()
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        req = to_request(raw, self.cfg.max_len)
+        req = to_request(raw, self.engine.max_len)
         try:
             self.engine.submit(req, lambda o: loop.call_soon_threadsafe(out.put_nowait, o))
         except RequestError as e:
@@ -226,8 +285,13 @@ class RankServer:
                 o = await out.get()
                 if isinstance(o, Handover):
                     self.engine.cancel(req.request_id)
-                    log.info("rank %d: handing request %s over to instance %x after %d tokens", self.rank,
-                             req.request_id, o.instance_id, len(produced))
+                    log.info(
+                        "rank %d: handing request %s over to instance %x after %d tokens",
+                        self.rank,
+                        req.request_id,
+                        o.instance_id,
+                        len(produced),
+                    )
                     async for chunk in self.hand_over(raw, req, produced, o.instance_id):
                         yield chunk
                     return
@@ -243,15 +307,20 @@ class RankServer:
             self.streams.pop(req.request_id, None)
             self.engine.cancel(req.request_id)  # a client gone mid-stream; a no-op once finished
 
-    async def hand_over(self, raw: dict[str, Any], req, produced: list[int],
-                        instance_id: int) -> AsyncIterator[dict[str, Any]]:
+    async def hand_over(
+        self, raw: dict[str, Any], req, produced: list[int], instance_id: int
+    ) -> AsyncIterator[dict[str, Any]]:
         """Continue a request on a remaining rank's generate instance: its prompt plus the tokens
         so far go there, to be replayed as decode steps (GenerateRequest.replay), and its stream
         comes back through this one, so the client never notices."""
         stop = dict(raw.get("stop_conditions") or {})
         stop["max_tokens"] = req.max_tokens - len(produced)
-        cont = {**raw, "token_ids": list(req.prompt) + produced, "stop_conditions": stop,
-                "replay": req.replay + len(produced)}
+        cont = {
+            **raw,
+            "token_ids": list(req.prompt) + produced,
+            "stop_conditions": stop,
+            "replay": req.replay + len(produced),
+        }
         n = req.replay + len(produced)
         async for item in await self.gen_client.direct(cont, instance_id):
             chunk = dict(item.data())
@@ -342,8 +411,11 @@ class RankServer:
                 await asyncio.to_thread(self.store.close)
             if e.arena is not None:
                 await on_loop(e.release_memory)
-            self.life.transition(RankState.PARKED, "out of the group, weights dropped"
-                                 + (", NIXL agents closed" if msg.checkpoint else ""), msg.op)
+            self.life.transition(
+                RankState.PARKED,
+                "out of the group, weights dropped" + (", NIXL agents closed" if msg.checkpoint else ""),
+                msg.op,
+            )
         elif isinstance(msg, Restore):
             if e.arena is not None:
                 await on_loop(e.restore_memory)
@@ -367,10 +439,20 @@ class RankServer:
             name = msg.items[0].dst_name
             t = self.store.tensors[name]
             t.view(-1)[0] += 1
-            raise WeightTransferError(f"tensor {name} from rank {msg.items[0].src_rank}: checksum mismatch "
-                                      f"after the pull (injected corruption)")
-        log.info("[op %s] rank %d: pulled %d tensors, %.1f MB in %.3f s (%.2f GB/s) from ranks %s", msg.op,
-                 self.rank, stats.tensors, stats.bytes / 1e6, stats.seconds, stats.gbps, sorted(stats.per_source))
+            raise WeightTransferError(
+                f"tensor {name} from rank {msg.items[0].src_rank}: checksum mismatch "
+                f"after the pull (injected corruption)"
+            )
+        log.info(
+            "[op %s] rank %d: pulled %d tensors, %.1f MB in %.3f s (%.2f GB/s) from ranks %s",
+            msg.op,
+            self.rank,
+            stats.tensors,
+            stats.bytes / 1e6,
+            stats.seconds,
+            stats.gbps,
+            sorted(stats.per_source),
+        )
         if state in (RankState.BOOTING, RankState.RESTORED):
             self.life.transition(RankState.LOADED, f"weights pulled from ranks {sorted(stats.per_source)}", msg.op)
         return ControlReply(ok=True, pull=stats, seconds=stats.seconds)
@@ -415,17 +497,31 @@ async def serve(rank: int, join: bool, snapshot: str) -> None:
     ctx, _ = load_context()
     cfg = component_config(Worker.Config)
     server = RankServer(rank, cfg, ctx, join, snapshot)
-    await asyncio.to_thread(server.load)
+    try:
+        await asyncio.to_thread(server.load)
+    except ValueError as e:  # the model or the configuration: the same on every rank, every retry
+        log.error("rank %d cannot start: %s", rank, e)
+        sys.exit(EXIT_CANNOT_START)
     loop = asyncio.get_running_loop()
     rt = make_runtime(loop, ctx)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, rt.shutdown)
     server.gen_ep = rt.endpoint(f"{ctx.namespace}.worker.generate")
     server.ctl_ep = rt.endpoint(f"{ctx.namespace}.worker.control")
-    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, server.gen_ep,
-                         server.model_dir, server.model_name, worker_type=WorkerType.Aggregated)
-    log.info("rank %d: serving %r (instance %x), waiting for the router", rank, server.model_name,
-             server.gen_ep.connection_id())
+    await register_model(
+        ModelInput.Tokens,
+        ModelType.Chat | ModelType.Completions,
+        server.gen_ep,
+        server.model_dir,
+        server.model_name,
+        worker_type=WorkerType.Aggregated,
+    )
+    log.info(
+        "rank %d: serving %r (instance %x), waiting for the router",
+        rank,
+        server.model_name,
+        server.gen_ep.connection_id(),
+    )
     server.gen_client = await server.gen_ep.client()
     ctl = asyncio.ensure_future(server.ctl_ep.serve_endpoint(server.control))
     exit_wait = asyncio.ensure_future(server.exit.wait())
@@ -443,10 +539,17 @@ async def serve(rank: int, join: bool, snapshot: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description="One DP/EP worker rank (started by `dynamo serve`).")
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--join", action="store_true",
-                   help="join a serving group: pull weights from peers instead of reading the checkpoint")
-    p.add_argument("--snapshot", default="", metavar="DIR",
-                   help="a baked snapshot to start from (checked against this deployment first)")
+    p.add_argument(
+        "--join",
+        action="store_true",
+        help="join a serving group: pull weights from peers instead of reading the checkpoint",
+    )
+    p.add_argument(
+        "--snapshot",
+        default="",
+        metavar="DIR",
+        help="a baked snapshot to start from (checked against this deployment first)",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(args.rank, args.join, args.snapshot))

@@ -4,6 +4,14 @@
 (msgspec only); torch and cuda.bindings are imported where they are used."""
 
 from snapshot.manifest import (  # noqa: F401
-    SnapshotCorrupt, SnapshotError, SnapshotExists, SnapshotManifest, SnapshotMismatch, SnapshotTarget,
-    check_compatible, load_manifest, verify, write_snapshot,
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotExists,
+    SnapshotManifest,
+    SnapshotMismatch,
+    SnapshotTarget,
+    check_compatible,
+    load_manifest,
+    verify,
+    write_snapshot,
 )

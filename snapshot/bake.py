@@ -21,12 +21,17 @@ from typing import Any
 import msgspec
 
 from snapshot.manifest import (
-    SnapshotManifest, SnapshotTarget, check_destination, now_iso, write_snapshot,
+    SnapshotManifest,
+    SnapshotTarget,
+    check_destination,
+    now_iso,
+    write_snapshot,
 )
 
 # The defaults of components.worker.Worker.Config (kept in sync by a test).
-DEFAULTS: dict[str, Any] = dict(device="cpu", dtype="", max_ranks=4, min_ranks=1, max_seqs=16,
-                                max_len=1024, max_batched_tokens=256)
+DEFAULTS: dict[str, Any] = dict(
+    device="cpu", dtype="", max_ranks=4, min_ranks=1, max_seqs=16, max_len=0, max_batched_tokens=256
+)
 ENGINE_FILE = "engine.json"
 WARMUP_FILE = "warmup.json"
 MODEL_CONFIG_FILE = "model_config.json"
@@ -83,19 +88,27 @@ def rank_config(device: str = "cpu", **fields):
 def target_for(model_dir: str | os.PathLike | None, cfg=None, **fields) -> SnapshotTarget:
     """What a deployment running `cfg` (a RankConfig; or RankConfig fields with the worker's
     defaults) on this machine expects of a snapshot, computed without building the engine."""
+    import torch
+
     from components.engine.checkpoint import Checkpoint
     from components.engine.expert_map import slots_needed
+    from components.engine.rank import DTYPES, context_length
 
     if cfg is None:
         cfg = rank_config(**fields)
     mc = Checkpoint.open(model_source(model_dir)[0]).config
     device_type, drv = device_info(cfg.device)
     return SnapshotTarget(
-        model_identity=mc.identity(), dtype=cfg.dtype or mc.dtype, max_ranks=cfg.max_ranks,
+        model_identity=mc.identity(),
+        dtype=cfg.dtype or mc.dtype,
+        max_ranks=cfg.max_ranks,
         num_experts=mc.num_experts,
         slots_per_rank=min(mc.num_experts, slots_needed(mc.num_experts, cfg.min_ranks, cfg.redundant_experts)),
-        max_seqs=cfg.max_seqs, max_len=cfg.max_len, max_batched_tokens=cfg.max_batched_tokens,
-        device_type=device_type, driver_version=drv,
+        max_seqs=cfg.max_seqs,
+        max_batched_tokens=cfg.max_batched_tokens,
+        device_type=device_type,
+        max_len=context_length(cfg.max_len, mc, cfg.max_seqs, DTYPES[cfg.dtype or mc.dtype], torch.device(cfg.device)),
+        driver_version=drv,
         cuda_graph_sizes=_graph_sizes(cfg.device, cfg.max_seqs, cfg.cuda_graph_sizes),
     )
 
@@ -105,10 +118,17 @@ def target_for_engine(eng) -> SnapshotTarget:
     mc, cfg = eng.model_config, eng.cfg
     device_type, drv = device_info(str(eng.device))
     return SnapshotTarget(
-        model_identity=mc.identity(), dtype=cfg.dtype or mc.dtype, max_ranks=cfg.max_ranks,
-        num_experts=mc.num_experts, slots_per_rank=eng.slots_per_rank, max_seqs=cfg.max_seqs,
-        max_len=cfg.max_len, max_batched_tokens=cfg.max_batched_tokens, device_type=device_type,
-        driver_version=drv, cuda_graph_sizes=sorted(eng.graphs.sizes) if eng.graphs else [],
+        model_identity=mc.identity(),
+        dtype=cfg.dtype or mc.dtype,
+        max_ranks=cfg.max_ranks,
+        num_experts=mc.num_experts,
+        slots_per_rank=eng.slots_per_rank,
+        max_seqs=cfg.max_seqs,
+        max_len=eng.max_len,
+        max_batched_tokens=cfg.max_batched_tokens,
+        device_type=device_type,
+        driver_version=drv,
+        cuda_graph_sizes=sorted(eng.graphs.sizes) if eng.graphs else [],
     )
 
 
@@ -117,14 +137,24 @@ def new_snapshot_id(model_name: str, identity: str) -> str:
     return f"{slug}-{identity[:8]}-{uuid.uuid4().hex[:8]}"
 
 
-def bake(out: str | os.PathLike | None = None, model_dir: str | os.PathLike | None = None, *,
-         device: str = DEFAULTS["device"], dtype: str = DEFAULTS["dtype"],
-         max_ranks: int = DEFAULTS["max_ranks"], min_ranks: int = DEFAULTS["min_ranks"],
-         max_seqs: int = DEFAULTS["max_seqs"], max_len: int = DEFAULTS["max_len"],
-         max_batched_tokens: int = DEFAULTS["max_batched_tokens"], redundant_experts: int = 0,
-         cuda_graph_sizes: tuple[int, ...] | None = None, model_name: str = "",
-         force: bool = False, progress: bool = True, root: str | os.PathLike | None = None,
-         ) -> tuple[Path, SnapshotManifest]:
+def bake(
+    out: str | os.PathLike | None = None,
+    model_dir: str | os.PathLike | None = None,
+    *,
+    device: str = DEFAULTS["device"],
+    dtype: str = DEFAULTS["dtype"],
+    max_ranks: int = DEFAULTS["max_ranks"],
+    min_ranks: int = DEFAULTS["min_ranks"],
+    max_seqs: int = DEFAULTS["max_seqs"],
+    max_len: int = DEFAULTS["max_len"],
+    max_batched_tokens: int = DEFAULTS["max_batched_tokens"],
+    redundant_experts: int = 0,
+    cuda_graph_sizes: tuple[int, ...] | None = None,
+    model_name: str = "",
+    force: bool = False,
+    progress: bool = True,
+    root: str | os.PathLike | None = None,
+) -> tuple[Path, SnapshotManifest]:
     """Bake the artifacts tier into `out` (default: <root>/<snapshot id>, root as default_root()).
     Returns (snapshot directory, manifest). Raises CheckpointError (bad model dir), ValueError
     (bad config), SnapshotExists (`out` exists and not `force`)."""
@@ -138,15 +168,29 @@ def bake(out: str | os.PathLike | None = None, model_dir: str | os.PathLike | No
         check_destination(out, force)  # fail before the expensive part
     src, name = model_source(model_dir, model_name)
     extra = {} if cuda_graph_sizes is None else {"cuda_graph_sizes": tuple(cuda_graph_sizes)}
-    cfg = rank_config(device=device, dtype=dtype, max_ranks=max_ranks, min_ranks=min_ranks,
-                      max_seqs=max_seqs, max_len=max_len, max_batched_tokens=max_batched_tokens,
-                      redundant_experts=redundant_experts, **extra)
+    cfg = rank_config(
+        device=device,
+        dtype=dtype,
+        max_ranks=max_ranks,
+        min_ranks=min_ranks,
+        max_seqs=max_seqs,
+        max_len=max_len,
+        max_batched_tokens=max_batched_tokens,
+        redundant_experts=redundant_experts,
+        **extra,
+    )
 
     from components.engine.rank import EngineRank
 
     steps: dict[str, float] = {}
-    bar = tqdm(total=3, desc="load model skeleton", unit="step", file=sys.stderr, disable=not progress,
-               bar_format="{desc:<22} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+    bar = tqdm(
+        total=3,
+        desc="load model skeleton",
+        unit="step",
+        file=sys.stderr,
+        disable=not progress,
+        bar_format="{desc:<22} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
+    )
     try:
         t0 = time.perf_counter()
         eng = EngineRank(cfg, src, load_weights=False)
@@ -165,9 +209,15 @@ def bake(out: str | os.PathLike | None = None, model_dir: str | os.PathLike | No
             sid = new_snapshot_id(name, target.model_identity)
             dest = Path(out) if out is not None else Path(root or default_root()) / sid
             manifest = SnapshotManifest(
-                snapshot_id=sid, created=now_iso(), tier="artifacts", model_name=name,
-                architecture=mc.architecture, warmup_seconds=round(runs[0], 6), weights_included=False,
-                **msgspec.structs.asdict(target))
+                snapshot_id=sid,
+                created=now_iso(),
+                tier="artifacts",
+                model_name=name,
+                architecture=mc.architecture,
+                warmup_seconds=round(runs[0], 6),
+                weights_included=False,
+                **msgspec.structs.asdict(target),
+            )
             warm = {
                 "steps_s": {k: round(v, 6) for k, v in steps.items()},
                 "warmup_runs_s": [round(r, 6) for r in runs],

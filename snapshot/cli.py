@@ -26,14 +26,20 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+def _at_least(lo: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {v}")
+        return v
+
+    return parse
+
+
+_positive, _count = _at_least(1), _at_least(0)
 
 
 def _sizes(s: str) -> tuple[int, ...]:
@@ -46,6 +52,7 @@ def _sizes(s: str) -> tuple[int, ...]:
 
 
 # ---- commands -----------------------------------------------------------------------------------
+
 
 def cmd_bake(a) -> int:
     from snapshot.manifest import SnapshotError, check_destination
@@ -71,19 +78,33 @@ def cmd_bake(a) -> int:
     from snapshot.bake import bake
 
     try:
-        path, m = bake(a.out, a.model or None, device=a.device, dtype=a.dtype, max_ranks=a.max_ranks,
-                       min_ranks=a.min_ranks, max_seqs=a.max_seqs, max_len=a.max_len,
-                       max_batched_tokens=a.max_batched_tokens, redundant_experts=a.redundant_experts,
-                       cuda_graph_sizes=a.cuda_graph_sizes, model_name=a.name, force=a.force,
-                       progress=not a.quiet, root=a.root)
+        path, m = bake(
+            a.out,
+            a.model or None,
+            device=a.device,
+            dtype=a.dtype,
+            max_ranks=a.max_ranks,
+            min_ranks=a.min_ranks,
+            max_seqs=a.max_seqs,
+            max_len=a.max_len,
+            max_batched_tokens=a.max_batched_tokens,
+            redundant_experts=a.redundant_experts,
+            cuda_graph_sizes=a.cuda_graph_sizes,
+            model_name=a.name,
+            force=a.force,
+            progress=not a.quiet,
+            root=a.root,
+        )
     except (CheckpointError, SnapshotError, ValueError) as e:
         raise UsageError(str(e)) from None
     from snapshot.manifest import snapshot_size
 
     print(f"baked {path}")
-    print(f"  id {m.snapshot_id}, tier {m.tier}, model {m.model_name} ({m.model_identity[:12]}), "
-          f"device {m.device_type}, warmup {m.warmup_seconds:.3f} s, {len(m.files) + 1} files, "
-          f"{_human(snapshot_size(path))}")
+    print(
+        f"  id {m.snapshot_id}, tier {m.tier}, model {m.model_name} ({m.model_identity[:12]}), "
+        f"device {m.device_type}, warmup {m.warmup_seconds:.3f} s, {len(m.files) + 1} files, "
+        f"{_human(snapshot_size(path))}"
+    )
     return 0
 
 
@@ -179,8 +200,14 @@ def tier_lines() -> list[tuple[str, bool, str]]:
     if ok:
         out.append(("parked", True, f"GPU: a parked process, its CUDA state checkpointed: {why}"))
     else:
-        out.append(("parked", True, "CPU only: a warm parked process (no GPU state to checkpoint); "
-                                    f"the GPU parked tier is unavailable: {why}"))
+        out.append(
+            (
+                "parked",
+                True,
+                "CPU only: a warm parked process (no GPU state to checkpoint); "
+                f"the GPU parked tier is unavailable: {why}",
+            )
+        )
     ok, why = criu_status()
     out.append(("criu", ok, why if ok else f"unavailable: {why}"))
     return out
@@ -194,63 +221,107 @@ def cmd_tiers(a) -> int:
 
 # ---- parser -------------------------------------------------------------------------------------
 
+
 def parser() -> argparse.ArgumentParser:
     from snapshot.bake import DEFAULTS
 
     p = argparse.ArgumentParser(
-        prog=PROG, description="Bake and manage worker snapshots (initialised engine state without "
+        prog=PROG,
+        description="Bake and manage worker snapshots (initialised engine state without "
         "weights) that joining ranks restore from instead of cold-starting.",
         epilog="Snapshots live under $ELASTIC_EP_SNAPSHOTS (default ~/.cache/elastic-ep/snapshots). "
-               "Exit codes: 0 ok, 1 verify failed, 2 bad input.")
+        "Exit codes: 0 ok, 1 verify failed, 2 bad input.",
+    )
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
     root_help = "the snapshot store (default $ELASTIC_EP_SNAPSHOTS or ~/.cache/elastic-ep/snapshots)"
 
     b = sub.add_parser(
-        "bake", help="bake a snapshot (artifacts tier) of a worker rank",
+        "bake",
+        help="bake a snapshot (artifacts tier) of a worker rank",
         description="Build one worker rank without its weights, run its masked warmup (on CUDA: "
         "capture and replay the decode graphs), and write the artifacts tier: manifest.json, "
         "engine.json (the RankConfig), warmup.json (timings, graph sizes) and the model's "
         "config.json. Weights are never stored; a joiner pulls them from its peers. The options "
-        "must match the deployment (Worker config) that will restore it; defaults are the Worker's.")
+        "must match the deployment (Worker config) that will restore it; defaults are the Worker's.",
+    )
     b.add_argument("--out", metavar="DIR", help="snapshot directory to create (default: <root>/<snapshot id>)")
     b.add_argument("--root", metavar="DIR", help=root_help + "; used when --out is not given")
-    b.add_argument("--model", metavar="DIR", default="",
-                   help="Hugging Face checkpoint directory (default: the built-in model)")
+    b.add_argument(
+        "--model", metavar="DIR", default="", help="Hugging Face checkpoint directory (default: the built-in model)"
+    )
     b.add_argument("--name", default="", help="model name recorded (default: the directory's name)")
     b.add_argument("--device", default=DEFAULTS["device"], help="cpu or cuda (default: %(default)s)")
-    b.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["", "float32", "bfloat16", "float16"],
-                   help="compute dtype (default: the checkpoint's)")
-    b.add_argument("--max-ranks", type=_positive, default=DEFAULTS["max_ranks"],
-                   help="most ranks the deployment can grow to (default: %(default)s)")
-    b.add_argument("--min-ranks", type=_positive, default=DEFAULTS["min_ranks"],
-                   help="fewest ranks it can shrink to; sizes the expert slots (default: %(default)s)")
+    b.add_argument(
+        "--dtype",
+        default=DEFAULTS["dtype"],
+        choices=["", "float32", "bfloat16", "float16"],
+        help="compute dtype (default: the checkpoint's)",
+    )
+    b.add_argument(
+        "--max-ranks",
+        type=_positive,
+        default=DEFAULTS["max_ranks"],
+        help="most ranks the deployment can grow to (default: %(default)s)",
+    )
+    b.add_argument(
+        "--min-ranks",
+        type=_positive,
+        default=DEFAULTS["min_ranks"],
+        help="fewest ranks it can shrink to; sizes the expert slots (default: %(default)s)",
+    )
     b.add_argument("--max-seqs", type=_positive, default=DEFAULTS["max_seqs"], help="default: %(default)s")
-    b.add_argument("--max-len", type=_positive, default=DEFAULTS["max_len"], help="default: %(default)s")
-    b.add_argument("--max-batched-tokens", type=_positive, default=DEFAULTS["max_batched_tokens"],
-                   help="default: %(default)s")
+    b.add_argument(
+        "--max-len",
+        type=_count,
+        default=DEFAULTS["max_len"],
+        help="longest sequence; 0 = the model's context length, capped by memory (default: %(default)s)",
+    )
+    b.add_argument(
+        "--max-batched-tokens", type=_positive, default=DEFAULTS["max_batched_tokens"], help="default: %(default)s"
+    )
     b.add_argument("--redundant-experts", type=int, default=0, help="default: %(default)s")
-    b.add_argument("--cuda-graph-sizes", type=_sizes, default=None, metavar="B,B,...",
-                   help="decode batch sizes captured on CUDA (default: the engine's)")
+    b.add_argument(
+        "--cuda-graph-sizes",
+        type=_sizes,
+        default=None,
+        metavar="B,B,...",
+        help="decode batch sizes captured on CUDA (default: the engine's)",
+    )
     b.add_argument("--force", action="store_true", help="replace an existing snapshot at --out")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     b.set_defaults(fn=cmd_bake)
 
-    s = sub.add_parser("list", help="list the snapshots in the store",
-                       description="List the snapshots under the store root: id, tier, model, device, "
-                       "created, size and path, newest first.")
+    s = sub.add_parser(
+        "list",
+        help="list the snapshots in the store",
+        description="List the snapshots under the store root: id, tier, model, device, "
+        "created, size and path, newest first.",
+    )
     s.add_argument("--root", metavar="DIR", help=root_help)
     s.set_defaults(fn=cmd_list)
 
     for name, fn, hlp, desc in [
-        ("inspect", cmd_inspect, "show a snapshot's manifest",
-         "Print a snapshot's manifest: model identity, parallel config, device, driver, graph "
-         "shapes, warmup time and file checksums."),
-        ("verify", cmd_verify, "check a snapshot's file checksums",
-         "Recompute every file's sha256 against the manifest. Prints 'ok' and exits 0, or names "
-         "the damaged, missing or unexpected file and exits 1."),
-        ("rm", cmd_rm, "remove a snapshot",
-         "Remove a snapshot directory. Only directories holding a valid snapshot manifest are "
-         "removed; anything else is refused (exit 2)."),
+        (
+            "inspect",
+            cmd_inspect,
+            "show a snapshot's manifest",
+            "Print a snapshot's manifest: model identity, parallel config, device, driver, graph "
+            "shapes, warmup time and file checksums.",
+        ),
+        (
+            "verify",
+            cmd_verify,
+            "check a snapshot's file checksums",
+            "Recompute every file's sha256 against the manifest. Prints 'ok' and exits 0, or names "
+            "the damaged, missing or unexpected file and exits 1.",
+        ),
+        (
+            "rm",
+            cmd_rm,
+            "remove a snapshot",
+            "Remove a snapshot directory. Only directories holding a valid snapshot manifest are "
+            "removed; anything else is refused (exit 2).",
+        ),
     ]:
         s = sub.add_parser(name, help=hlp, description=desc)
         s.add_argument("dir", metavar="DIR", help="snapshot directory (or a snapshot id / name under the root)")
@@ -259,10 +330,13 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--json", action="store_true", help="print the manifest as JSON")
         s.set_defaults(fn=fn)
 
-    s = sub.add_parser("tiers", help="which snapshot tiers this machine supports, and why not",
-                       description="Print each snapshot tier and whether it is available here: "
-                       "artifacts always; parked needs the CUDA driver checkpoint API on a GPU (on "
-                       "CPU a warm parked process); criu needs CRIU >= 4.0 with its CUDA plugin.")
+    s = sub.add_parser(
+        "tiers",
+        help="which snapshot tiers this machine supports, and why not",
+        description="Print each snapshot tier and whether it is available here: "
+        "artifacts always; parked needs the CUDA driver checkpoint API on a GPU (on "
+        "CPU a warm parked process); criu needs CRIU >= 4.0 with its CUDA plugin.",
+    )
     s.set_defaults(fn=cmd_tiers)
     return p
 

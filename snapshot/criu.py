@@ -12,10 +12,18 @@ from pathlib import Path
 
 MIN_VERSION = (4, 0)
 PLUGIN_NAME = "cuda_plugin.so"
-PLUGIN_DIRS = ("/usr/lib/criu", "/usr/lib64/criu", "/usr/local/lib/criu", "/usr/local/lib64/criu",
-               "/usr/lib/x86_64-linux-gnu/criu", "/usr/lib/aarch64-linux-gnu/criu", "/usr/libexec/criu")
-NOT_INSTALLED = ("CRIU not installed (apt-get install criu; CRIU >= 4.0 with the CUDA plugin is needed "
-                 "for the criu tier)")
+PLUGIN_DIRS = (
+    "/usr/lib/criu",
+    "/usr/lib64/criu",
+    "/usr/local/lib/criu",
+    "/usr/local/lib64/criu",
+    "/usr/lib/x86_64-linux-gnu/criu",
+    "/usr/lib/aarch64-linux-gnu/criu",
+    "/usr/libexec/criu",
+)
+NOT_INSTALLED = (
+    "CRIU not installed (apt-get install criu; CRIU >= 4.0 with the CUDA plugin is needed for the criu tier)"
+)
 
 
 def criu_version(criu: str) -> tuple[tuple[int, ...], str] | None:
@@ -51,13 +59,16 @@ def criu_status(criu: str | None = None, plugin_dirs=None) -> tuple[bool, str]:
         return False, NOT_INSTALLED
     got = criu_version(criu)
     if got is None:
-        return False, f"CRIU found at {criu} but `criu --version` gave no version; the criu tier needs >= 4.0 with its CUDA plugin"
+        return (
+            False,
+            f"CRIU found at {criu} but `criu --version` gave no version; "
+            "the criu tier needs >= 4.0 with its CUDA plugin",
+        )
     ver, shown = got
     if ver < MIN_VERSION:
         return False, f"CRIU {shown} found; the criu tier needs >= 4.0 with its CUDA plugin"
     plugin = find_plugin(criu, plugin_dirs)
     if plugin is None:
         where = ", ".join(plugin_dirs if plugin_dirs is not None else PLUGIN_DIRS[:3])
-        return False, (f"CRIU {shown} found but not its CUDA plugin ({PLUGIN_NAME} in {where}); "
-                       f"the criu tier needs it")
+        return False, (f"CRIU {shown} found but not its CUDA plugin ({PLUGIN_NAME} in {where}); the criu tier needs it")
     return True, f"CRIU {shown} with its CUDA plugin ({plugin})"

@@ -13,8 +13,13 @@ import os
 import time
 
 MIN_DRIVER = 12080  # cuDriverGetVersion() of the r570 driver, the first with the checkpoint API
-FUNCTIONS = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
-             "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState")
+FUNCTIONS = (
+    "cuCheckpointProcessLock",
+    "cuCheckpointProcessCheckpoint",
+    "cuCheckpointProcessRestore",
+    "cuCheckpointProcessUnlock",
+    "cuCheckpointProcessGetState",
+)
 
 
 class CudaCheckpointError(RuntimeError):
@@ -81,7 +86,7 @@ def available() -> tuple[bool, str]:
 
 
 def state(pid: int) -> str:
-    """"running", "locked", "checkpointed" or "failed" (the CUprocessState name, lower case)."""
+    """ "running", "locked", "checkpointed" or "failed" (the CUprocessState name, lower case)."""
     d = _driver()
     (st,) = _ok(d, "cuCheckpointProcessGetState", pid, d.cuCheckpointProcessGetState(pid))
     return _name(st).removeprefix("CU_PROCESS_STATE_").lower()
@@ -99,8 +104,12 @@ def checkpoint(pid: int, timeout_ms: int = 30000) -> dict[str, float]:
     t["lock"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:
-        _ok(d, "cuCheckpointProcessCheckpoint", pid,
-            d.cuCheckpointProcessCheckpoint(pid, d.CUcheckpointCheckpointArgs()))
+        _ok(
+            d,
+            "cuCheckpointProcessCheckpoint",
+            pid,
+            d.cuCheckpointProcessCheckpoint(pid, d.CUcheckpointCheckpointArgs()),
+        )
     except CudaCheckpointError:
         d.cuCheckpointProcessUnlock(pid, d.CUcheckpointUnlockArgs())
         raise

@@ -76,7 +76,7 @@ COMPARED_FIELDS: tuple[str, ...] = SnapshotTarget.__struct_fields__
 
 
 def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def _show(field: str, value) -> str:
@@ -101,8 +101,9 @@ def differences(manifest: SnapshotManifest, target: SnapshotTarget) -> list[tupl
     return out
 
 
-def check_compatible(manifest: SnapshotManifest | str | os.PathLike, target: SnapshotTarget,
-                     path: str | os.PathLike | None = None) -> SnapshotManifest:
+def check_compatible(
+    manifest: SnapshotManifest | str | os.PathLike, target: SnapshotTarget, path: str | os.PathLike | None = None
+) -> SnapshotManifest:
     """Raise SnapshotMismatch unless the snapshot fits `target`; returns the manifest.
     `manifest` may also be a snapshot directory (its manifest is loaded). `path` names the
     snapshot in the message (default: its directory when one was given, else its id)."""
@@ -119,6 +120,7 @@ def check_compatible(manifest: SnapshotManifest | str | os.PathLike, target: Sna
 
 # ---- files --------------------------------------------------------------------------------------
 
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -130,8 +132,9 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 def _check_name(name: str) -> str:
     p = Path(name)
     if not name or p.is_absolute() or ".." in p.parts or name != p.as_posix() or name == MANIFEST_NAME:
-        raise ValueError(f"invalid snapshot file name {name!r} (a relative path inside the snapshot, "
-                         f"not {MANIFEST_NAME})")
+        raise ValueError(
+            f"invalid snapshot file name {name!r} (a relative path inside the snapshot, not {MANIFEST_NAME})"
+        )
     return name
 
 
@@ -146,8 +149,9 @@ def load_manifest(dir: str | os.PathLike) -> SnapshotManifest:
     try:
         raw = mpath.read_bytes()
     except FileNotFoundError:
-        raise SnapshotCorrupt(f"snapshot {d}: {MANIFEST_NAME} is missing (not a snapshot, "
-                              f"or one whose manifest was deleted)") from None
+        raise SnapshotCorrupt(
+            f"snapshot {d}: {MANIFEST_NAME} is missing (not a snapshot, or one whose manifest was deleted)"
+        ) from None
     except OSError as e:
         raise SnapshotCorrupt(f"snapshot {d}: {mpath}: unreadable ({e.strerror or e})") from None
     try:
@@ -158,7 +162,7 @@ def load_manifest(dir: str | os.PathLike) -> SnapshotManifest:
 
 def _files_on_disk(d: Path) -> set[str]:
     out = set()
-    for root, dirs, files in os.walk(d):
+    for root, _dirs, files in os.walk(d):
         for f in files:
             rel = (Path(root) / f).relative_to(d).as_posix()
             if rel != MANIFEST_NAME:
@@ -205,8 +209,9 @@ def check_destination(dir: str | os.PathLike, force: bool = False) -> bool:
     return True
 
 
-def write_snapshot(dir: str | os.PathLike, manifest: SnapshotManifest, files: dict[str, bytes],
-                   force: bool = False) -> SnapshotManifest:
+def write_snapshot(
+    dir: str | os.PathLike, manifest: SnapshotManifest, files: dict[str, bytes], force: bool = False
+) -> SnapshotManifest:
     """Write `files` and the manifest (its `files` checksums filled in) to `dir`, atomically:
     everything goes to a temporary directory beside it that is renamed into place. An existing
     `dir` is refused unless `force`, and even then only when it is empty or a snapshot (so a
@@ -217,7 +222,8 @@ def write_snapshot(dir: str | os.PathLike, manifest: SnapshotManifest, files: di
     replace = check_destination(d, force)
     d.parent.mkdir(parents=True, exist_ok=True)
     manifest = msgspec.structs.replace(
-        manifest, files={n: hashlib.sha256(b).hexdigest() for n, b in sorted(files.items())})
+        manifest, files={n: hashlib.sha256(b).hexdigest() for n, b in sorted(files.items())}
+    )
     tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.tmp-", dir=d.parent))
     try:
         for name, data in files.items():

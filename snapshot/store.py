@@ -12,8 +12,15 @@ import msgspec
 
 from snapshot.bake import default_root
 from snapshot.manifest import (
-    MANIFEST_NAME, SnapshotCorrupt, SnapshotError, SnapshotManifest, SnapshotTarget, check_compatible,
-    load_manifest, snapshot_size, verify,
+    MANIFEST_NAME,
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotManifest,
+    SnapshotTarget,
+    check_compatible,
+    load_manifest,
+    snapshot_size,
+    verify,
 )
 
 __all__ = ["SnapshotInfo", "default_root", "list_snapshots", "find_compatible", "resolve", "remove_snapshot"]
@@ -45,9 +52,13 @@ def list_snapshots(root: str | os.PathLike | None = None) -> list[SnapshotInfo]:
     return out
 
 
-def find_compatible(target: SnapshotTarget, root: str | os.PathLike | None = None, *,
-                    tiers: tuple[str, ...] | None = None, check_files: bool = True,
-                    ) -> tuple[list[SnapshotInfo], dict[str, str]]:
+def find_compatible(
+    target: SnapshotTarget,
+    root: str | os.PathLike | None = None,
+    *,
+    tiers: tuple[str, ...] | None = None,
+    check_files: bool = True,
+) -> tuple[list[SnapshotInfo], dict[str, str]]:
     """(snapshots that fit `target`, newest first; {path: why} for each one refused). With
     `check_files`, checksums are verified too, so a damaged snapshot is refused, not restored."""
     ok: list[SnapshotInfo] = []

@@ -12,7 +12,6 @@ import json
 import threading
 from pathlib import Path
 
-
 from components.engine.rank import EngineRank, RankConfig, rank_device
 from components.engine.request import GenerateRequest
 from tests.peers import wait_for, write
@@ -25,8 +24,17 @@ def main() -> None:
     args = ap.parse_args()
     plan = json.loads((args.dir / "plan.json").read_text())
     rank, world, d = args.rank, plan["world"], args.dir
-    eng = EngineRank(RankConfig(rank=rank, max_ranks=world, device=rank_device(plan.get("device", "cpu"), rank),
-                                max_len=256, min_ranks=plan.get("min_ranks", 1), ep_timeout_s=60), plan["model"])
+    eng = EngineRank(
+        RankConfig(
+            rank=rank,
+            max_ranks=world,
+            device=rank_device(plan.get("device", "cpu"), rank),
+            max_len=256,
+            min_ranks=plan.get("min_ranks", 1),
+            ep_timeout_s=60,
+        ),
+        plan["model"],
+    )
     write(d / f"meta{rank}", eng.comm.metadata())
     wait_for([d / f"meta{r}" for r in range(world)])
     eng.comm.connect({r: (d / f"meta{r}").read_bytes() for r in range(world) if r != rank})
@@ -44,6 +52,7 @@ def main() -> None:
                 if batch.ctx_lens_list[i] == len(seq.tokens):
                     logits.setdefault(seq.req.request_id, []).append(out[i].tolist())
             return out
+
         return run
 
     eng.model.forward = recording(eng.model.forward)
@@ -55,6 +64,7 @@ def main() -> None:
     for epoch, phase in enumerate(plan["phases"], start=1):
         eng.pause().result(timeout=60)
         placement = eng.default_placement(phase["active"])
+
         def install():
             eng.configure(epoch, phase["active"], placement)
             eng.load_experts(placement)
@@ -64,8 +74,11 @@ def main() -> None:
         rows0 = eng.expert_rows
         outs: dict[str, list[int]] = {}
         done = threading.Event()
-        mine = [(i, p) for i, p in enumerate(plan["prompts"]) if i % len(phase["active"]) ==
-                phase["active"].index(rank)] if rank in phase["active"] else []
+        mine = (
+            [(i, p) for i, p in enumerate(plan["prompts"]) if i % len(phase["active"]) == phase["active"].index(rank)]
+            if rank in phase["active"]
+            else []
+        )
 
         def emit(o, n=len(mine)):
             outs.setdefault(o.request_id, []).extend(o.token_ids)
@@ -81,13 +94,17 @@ def main() -> None:
         write(d / f"done{epoch}.{rank}", b"")
         # Keep stepping (dummy steps) until every rank is done with this phase.
         wait_for([d / f"done{epoch}.{r}" for r in range(world)])
-        report.append({"tokens": {k: v for k, v in outs.items() if not k.endswith("/end")},
-                       "logits": {k: logits.pop(k) for k in list(logits)},
-                       "rows": eng.expert_rows - rows0,
-                       "captures": eng.graphs.captures if eng.graphs else 0,
-                       "captures_sizes": eng.graphs.sizes if eng.graphs else [],
-                       "replays": eng.graphs.replays if eng.graphs else 0,
-                       "experts": [placement.experts_on(rank, layer) for layer in range(len(placement.slots))]})
+        report.append(
+            {
+                "tokens": {k: v for k, v in outs.items() if not k.endswith("/end")},
+                "logits": {k: logits.pop(k) for k in list(logits)},
+                "rows": eng.expert_rows - rows0,
+                "captures": eng.graphs.captures if eng.graphs else 0,
+                "captures_sizes": eng.graphs.sizes if eng.graphs else [],
+                "replays": eng.graphs.replays if eng.graphs else 0,
+                "experts": [placement.experts_on(rank, layer) for layer in range(len(placement.slots))],
+            }
+        )
     eng.pause().result(timeout=60)
     write(d / f"report{rank}.json", json.dumps(report).encode())
     wait_for([d / f"report{r}.json" for r in range(world)])

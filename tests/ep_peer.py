@@ -69,7 +69,11 @@ class Peer:
         self.rank = args.rank
         self.cap = args.capacity
         self.comm = NixlCommunicator(
-            args.rank, args.max_ranks, args.capacity, device=args.device, timeout_s=args.timeout,
+            args.rank,
+            args.max_ranks,
+            args.capacity,
+            device=args.device,
+            timeout_s=args.timeout,
             progress_thread=args.progress_thread,
         )
         self.result: dict = {"rank": self.rank, "rounds": [], "errors": {}, "mismatches": 0}
@@ -245,8 +249,13 @@ def scenario_park(p: Peer) -> None:
     p.finish(world)
 
 
-SCENARIOS = {"exchange": scenario_exchange, "subset": scenario_subset, "mask": scenario_mask, "kill": scenario_kill,
-             "park": scenario_park}
+SCENARIOS = {
+    "exchange": scenario_exchange,
+    "subset": scenario_subset,
+    "mask": scenario_mask,
+    "kill": scenario_kill,
+    "park": scenario_park,
+}
 
 
 def main(argv=None) -> int:
@@ -264,8 +273,11 @@ def main(argv=None) -> int:
     ap.add_argument("--latency", type=int, default=0)
     ap.add_argument("--progress-thread", type=lambda v: {"on": True, "off": False, "auto": None}[v], default=None)
     ap.add_argument("--dir", required=True)
-    ap.add_argument("--hold", action="store_true",
-                    help="park: the parked rank holds GPU memory and waits for DIR/unpark (a CUDA checkpoint window)")
+    ap.add_argument(
+        "--hold",
+        action="store_true",
+        help="park: the parked rank holds GPU memory and waits for DIR/unpark (a CUDA checkpoint window)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[rank {args.rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)

@@ -14,15 +14,29 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0) -
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+    )
     if arch == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=8, **common))
     else:
         # A shared expert and a dense layer, so every Qwen2-MoE code path runs.
-        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
-            intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-            num_experts=8, mlp_only_layers=[1], **common))
+        model = Qwen2MoeForCausalLM(
+            Qwen2MoeConfig(
+                intermediate_size=48,
+                moe_intermediate_size=24,
+                shared_expert_intermediate_size=40,
+                num_experts=8,
+                mlp_only_layers=[1],
+                **common,
+            )
+        )
     model.to(dtype).save_pretrained(path)
     return path
 
@@ -34,9 +48,15 @@ def reference(path: Path, prompts, max_new_tokens: int):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokens, logits = [], []
     for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)
-        tokens.append(out.sequences[0, len(p):].tolist())
+        out = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens.append(out.sequences[0, len(p) :].tolist())
         logits.append(torch.stack([l[0] for l in out.logits]))
     return tokens, logits
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -12,13 +11,26 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "elastic-ep/tiny-moe"
+
+
+def env_tool(name: str) -> str:
+    """A command of the environment these tests run in (its console scripts, and what `make
+    install` put beside them), never an unrelated one on PATH. Missing is a failure that says how
+    to get it, not a skip."""
+    path = Path(sys.executable).parent / name  # not resolved: the venv's bin, not the base python's
+    if not path.exists():
+        raise FileNotFoundError(
+            f"`{name}` is not installed in {path.parent}: run `make install` "
+            f"(or `pip install -e .` for the console scripts)"
+        )
+    return str(path)
 
 
 def free_ports(n: int) -> list[int]:
@@ -75,13 +87,22 @@ class Server:
         self.url = f"http://127.0.0.1:{self.http_port}/v1"
         self.log_path = self.tmp / "serve.log"
         self._log = self.log_path.open("w")
-        # The console script where it is installed; the module otherwise (same CLI).
-        dynamo = [shutil.which("dynamo")] if shutil.which("dynamo") else [sys.executable, "-m", "components.serve"]
         self.proc = subprocess.Popen(
-            [*dynamo, "serve", "graphs/elastic:Frontend",
-             f"--Frontend.port={self.http_port}", f"--Router.port={self.router_port}",
-             "--discovery-dir", str(self.discovery_dir), *args],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                env_tool("dynamo"),
+                "serve",
+                "graphs/elastic:Frontend",
+                f"--Frontend.port={self.http_port}",
+                f"--Router.port={self.router_port}",
+                "--discovery-dir",
+                str(self.discovery_dir),
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=120)
         self.ctl = httpx.Client(base_url=f"http://127.0.0.1:{self.router_port}", timeout=120)
         if wait:
@@ -115,12 +136,19 @@ class Server:
     def topology(self) -> dict:
         return self.ctl.get("/topology").json()
 
-    def stream_text(self, prompt: list[int], max_tokens: int,
-                    on_chunk: Callable[[float, float | None], None] | None = None) -> str:
+    def stream_text(
+        self, prompt: list[int], max_tokens: int, on_chunk: Callable[[float, float | None], None] | None = None
+    ) -> str:
         """Greedy streaming completion of a token-id prompt; returns the generated text.
         `on_chunk(arrival time, gap since the previous chunk of this stream or None)`."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         text, last = [], None
         with self.http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -193,8 +221,14 @@ class Traffic:
     as (prompt index, text, start, end), every failure as (prompt index, error). `on_chunk` sees
     every streamed chunk (Server.stream_text)."""
 
-    def __init__(self, srv: Server, prompts: list[list[int]], max_tokens: int, clients: int = 4,
-                 on_chunk: Callable[[float, float | None], None] | None = None):
+    def __init__(
+        self,
+        srv: Server,
+        prompts: list[list[int]],
+        max_tokens: int,
+        clients: int = 4,
+        on_chunk: Callable[[float, float | None], None] | None = None,
+    ):
         self.srv, self.prompts, self.max_tokens, self.on_chunk = srv, prompts, max_tokens, on_chunk
         self.results, self.errors = [], []
         self.stop = threading.Event()

@@ -25,8 +25,13 @@ def _files(d: Path) -> dict[str, bytes]:
 
 def test_deterministic(model_dir, tmp_path):
     again = _files(write_builtin_model(tmp_path / "again"))
-    assert set(again) == {"config.json", "generation_config.json", "model.safetensors",
-                          "tokenizer.json", "tokenizer_config.json"}
+    assert set(again) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     assert again == _files(model_dir)
 
 
@@ -60,13 +65,15 @@ def test_tokenizer(model_dir):
 
 
 def test_transformers_loads(model_dir):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
-                                    {"role": "user", "content": "Hi"}],
-                                   tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(tok(text)["input_ids"]) == text
     model, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
     assert not any(info.values()), info
@@ -77,8 +84,9 @@ def test_transformers_loads(model_dir):
 def test_cache_race(tmp_path, model_dir):
     env = {**os.environ, "ELASTIC_EP_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
     code = "from components.engine.builtin import builtin_model_dir; print(builtin_model_dir())"
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     outs = {p.communicate(timeout=60)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
     assert len(outs) == 1

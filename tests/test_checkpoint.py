@@ -3,17 +3,28 @@ import shutil
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from components.engine.checkpoint import (
-    Checkpoint, CheckpointError, dense_mlp_names, expected_tensors, expert_tensor_names,
-    router_name, shared_expert_names)
+    Checkpoint,
+    CheckpointError,
+    dense_mlp_names,
+    expected_tensors,
+    expert_tensor_names,
+    router_name,
+    shared_expert_names,
+)
 from components.engine.config import ConfigError, ModelConfig
 
-transformers = pytest.importorskip("transformers")
-
-TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def _save(model, d, **kw):
@@ -32,9 +43,15 @@ def mixtral(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     torch.manual_seed(1)
-    cfg = transformers.Qwen2MoeConfig(**TINY, intermediate_size=48, moe_intermediate_size=24,
-                                      shared_expert_intermediate_size=40, num_experts=4,
-                                      num_experts_per_tok=2, mlp_only_layers=[1])
+    cfg = transformers.Qwen2MoeConfig(
+        **TINY,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+    )
     d = tmp_path_factory.mktemp("qwen")
     return d, _save(transformers.Qwen2MoeForCausalLM(cfg), d)
 
@@ -76,7 +93,8 @@ def test_mixtral_opens_and_matches(mixtral):
     assert c.dense_intermediate_size == 0 and c.shared_expert_intermediate_size == 0
     assert (c.eos_token_ids, c.bos_token_id, c.dtype) == ((2,), 1, "float32")
     assert expert_tensor_names(c, 2, 3) == tuple(
-        f"model.layers.2.block_sparse_moe.experts.3.{w}.weight" for w in ("w1", "w3", "w2"))
+        f"model.layers.2.block_sparse_moe.experts.3.{w}.weight" for w in ("w1", "w3", "w2")
+    )
     assert shared_expert_names(c, 0) is None
     assert_matches(ckpt, sd)
 
@@ -99,9 +117,15 @@ def test_qwen_opens_and_matches(qwen):
 @pytest.mark.filterwarnings("ignore:Initializing zero-element")
 def test_sharded_and_bf16(tmp_path):
     torch.manual_seed(2)
-    cfg = transformers.Qwen2MoeConfig(**TINY, intermediate_size=48, moe_intermediate_size=24,
-                                      shared_expert_intermediate_size=0, num_experts=4,
-                                      num_experts_per_tok=2, tie_word_embeddings=True)
+    cfg = transformers.Qwen2MoeConfig(
+        **TINY,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=0,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+    )
     model = transformers.Qwen2MoeForCausalLM(cfg).to(torch.bfloat16)
     sd = _save(model, tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
@@ -116,19 +140,31 @@ def test_sharded_and_bf16(tmp_path):
 
 
 def test_sparse_layer_rule():
-    base = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8,
-            "num_attention_heads": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0, "max_position_embeddings": 16, "num_experts": 4,
-            "num_experts_per_tok": 2, "moe_intermediate_size": 4, "intermediate_size": 16,
-            "num_hidden_layers": 6}
+    base = {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 4,
+        "intermediate_size": 16,
+        "num_hidden_layers": 6,
+    }
     rule = lambda **kw: ModelConfig.from_dict({**base, **kw}).sparse_layers
     assert rule(decoder_sparse_step=2, mlp_only_layers=[3]) == (False, True, False, False, False, True)
     assert rule(decoder_sparse_step=1, mlp_only_layers=[1]) == (True, False, True, True, True, True)
     assert rule(num_experts=0) == (False,) * 6
     c = ModelConfig.from_dict({**base, "head_dim": None, "torch_dtype": "bfloat16", "eos_token_id": 5})
     assert (c.head_dim, c.dtype, c.eos_token_ids, c.rope_theta) == (4, "bfloat16", (5,), 10000.0)
-    assert c.identity() == ModelConfig.from_dict({**base, "head_dim": None, "torch_dtype": "bfloat16",
-                                                  "eos_token_id": 5}).identity()
+    assert (
+        c.identity()
+        == ModelConfig.from_dict({**base, "head_dim": None, "torch_dtype": "bfloat16", "eos_token_id": 5}).identity()
+    )
     assert c.identity() != ModelConfig.from_dict(base).identity()
     with pytest.raises(ConfigError, match="rope_type 'yarn'"):
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
@@ -169,8 +205,10 @@ def test_invalid_json(bad):
 def test_unknown_architecture(bad):
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
-    assert _err(bad) == (f"{bad}/config.json: unknown architecture 'LlamaForCausalLM' "
-                         "(supported: MixtralForCausalLM, Qwen2MoeForCausalLM)")
+    assert _err(bad) == (
+        f"{bad}/config.json: unknown architecture 'LlamaForCausalLM' "
+        "(supported: MixtralForCausalLM, Qwen2MoeForCausalLM)"
+    )
 
 
 def test_missing_and_misshapen_tensor(bad):

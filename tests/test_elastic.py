@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from tests.server import Server, Traffic as _Traffic, engine_reference, scale
+from tests.server import Server, engine_reference, scale
+from tests.server import Traffic as _Traffic
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
@@ -17,8 +18,15 @@ PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(["--Worker.max_ranks=4", "--Router.allow_fault_injection=true", "--Router.commit_timeout_s=4",
-                  "--Router.prepare_timeout_s=60", "--Router.drain_timeout_s=20"])
+    srv = Server(
+        [
+            "--Worker.max_ranks=4",
+            "--Router.allow_fault_injection=true",
+            "--Router.commit_timeout_s=4",
+            "--Router.prepare_timeout_s=60",
+            "--Router.drain_timeout_s=20",
+        ]
+    )
     try:
         yield srv
     finally:
@@ -35,7 +43,7 @@ def reference():
 
 
 def test_scale_under_traffic_loses_nothing(server, reference):
-    ops = []
+    ops, kv_usage = [], []
     with Traffic(server) as traffic:
         for n in (4, 3, 2):
             time.sleep(1.0)
@@ -43,10 +51,12 @@ def test_scale_under_traffic_loses_nothing(server, reference):
             assert op["phase"] == "done", op
             topo = server.topology()
             assert topo["dp_size"] == n and topo["active"] == list(range(n))
+            kv_usage += [r["kv_usage"] for r in topo["ranks"]]
             ops.append(op)
         time.sleep(1.0)
     assert traffic.errors == []
     assert len(traffic.results) > 20
+    assert all(0 <= u <= 1 for u in kv_usage) and max(kv_usage) > 0  # the streams hold KV slots
     for p, toks, _, _ in traffic.results:
         assert toks == reference[p], f"prompt {p}"
     for op in ops:

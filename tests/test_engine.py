@@ -31,8 +31,6 @@ def assert_logits_close(got, want):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_single_rank_matches_transformers(model, device):
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     path, ref_tokens, ref_logits = model
     eng = single_rank(path, device)
     eng.start()
@@ -70,8 +68,10 @@ def test_single_rank_matches_transformers(model, device):
 
 def run_peers(tmp_path, plan) -> list[list[dict]]:
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.engine_peer", "--rank", str(r), "--dir", str(tmp_path)])
-             for r in range(plan["world"])]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.engine_peer", "--rank", str(r), "--dir", str(tmp_path)])
+        for r in range(plan["world"])
+    ]
     try:
         for p in procs:
             assert p.wait(timeout=240) == 0, "a peer failed"
@@ -92,11 +92,15 @@ def merged(reports, phase):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_in_processes_match_transformers(model, world, device, tmp_path):
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     path, ref_tokens, ref_logits = model
-    plan = {"world": world, "model": str(path), "prompts": PROMPTS, "max_tokens": MAX_NEW, "device": device,
-            "phases": [{"active": list(range(world))}]}
+    plan = {
+        "world": world,
+        "model": str(path),
+        "prompts": PROMPTS,
+        "max_tokens": MAX_NEW,
+        "device": device,
+        "phases": [{"active": list(range(world))}],
+    }
     reports = run_peers(tmp_path, plan)
     tokens, logits = merged(reports, 0)
     for i, ref in enumerate(ref_tokens):
@@ -112,8 +116,15 @@ def test_active_set_changes_in_place(tmp_path, device):
     the retained ranks keep their captured decode graphs (no recapture)."""
     path = make_checkpoint("mixtral", tmp_path / "ckpt", seed=1)
     ref_tokens, _ = reference(path, PROMPTS, MAX_NEW)
-    plan = {"world": 4, "model": str(path), "prompts": PROMPTS, "max_tokens": MAX_NEW, "min_ranks": 2,
-            "device": device, "phases": [{"active": [0, 1]}, {"active": [0, 1, 2, 3]}]}
+    plan = {
+        "world": 4,
+        "model": str(path),
+        "prompts": PROMPTS,
+        "max_tokens": MAX_NEW,
+        "min_ranks": 2,
+        "device": device,
+        "phases": [{"active": [0, 1]}, {"active": [0, 1, 2, 3]}],
+    }
     reports = run_peers(tmp_path, plan)
     for phase in (0, 1):
         tokens, _ = merged(reports, phase)
@@ -133,8 +144,6 @@ def test_dispatch_follows_the_device_ep_mask(tmp_path, device):
     """Rank 0 of 2, experts placed on both, rank 1 not active: routing reads the device mask, so
     pairs for rank 1 are held back (an error outside warmup, dropped in masked warmup), padding
     rows are neither sent nor counted as load, and the mask keeps its address when the set changes."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     from components.engine.expert_map import balanced_placement
 
     eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), device, max_ranks=2)
@@ -157,8 +166,11 @@ def test_dispatch_follows_the_device_ep_mask(tmp_path, device):
     assert d.counts.tolist() == [8 - to_1, 0, to_1, 4]  # rank 0, rank 1, masked, padding
     assert moe.load.sum().item() == 8  # the 4 real rows' pairs, not the padding's
     out = torch.full((12, mc.hidden_size), 7.0, device=eng.device)
-    with pytest.raises(RuntimeError, match=rf"layer {layer}: expert map routes {to_1} \(token, expert\) pairs "
-                                           r"to ranks outside the active set \[0\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"layer {layer}: expert map routes {to_1} \(token, expert\) pairs "
+        r"to ranks outside the active set \[0\]",
+    ):
         moe.exchange(d, out)
 
     ep.masked_warmup = True
@@ -182,8 +194,6 @@ def test_a_handed_over_request_replays_to_the_same_tokens(tmp_path, device):
     """A request continued elsewhere after k tokens (prompt + those k, replay=k) takes the steps
     the uninterrupted one took and continues with its tokens, greedy and seeded; in bf16 on a GPU
     too, where a prefill over the k tokens would differ in the last bits and flip near-ties."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     dtype = "bfloat16" if device == "cuda" else ""
     eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt", seed=3), device, dtype=dtype)
     eng.start()
@@ -216,7 +226,10 @@ def test_bad_requests_are_refused_with_the_reason(tmp_path):
         (GenerateRequest("c", [1, 999], 4), "token ids [999] are outside the vocabulary (size 128)"),
         (GenerateRequest("d", [1], 0), "max_tokens must be at least 1"),
         (GenerateRequest("e", [1], 4, temperature=1.0, top_p=0.0), "top_p in (0, 1]"),
-        (GenerateRequest("f", [1, 2], 4, replay=2), "replay must leave at least one prompt token: 0 <= replay < 2, got 2"),
+        (
+            GenerateRequest("f", [1, 2], 4, replay=2),
+            "replay must leave at least one prompt token: 0 <= replay < 2, got 2",
+        ),
     ]
     for req, msg in cases:
         with pytest.raises(RequestError) as e:
@@ -239,3 +252,25 @@ def test_sampling_is_reproducible_with_a_seed_and_stops_on_stop_tokens(tmp_path)
         assert cut[0] == greedy[0][: greedy[0].index(stop) + 1] and ends == ["stop"]
     finally:
         eng.stop()
+
+
+def test_the_context_length_defaults_to_the_models_capped_by_memory(tmp_path, monkeypatch):
+    """A model with 512 positions serves with the default max_len (its own, as vLLM defaults it);
+    with too little memory for that, the longest multiple of 256 that fits; a length the model
+    does not have is refused with the reason the worker prints."""
+    from components.engine import rank
+    from components.engine.checkpoint import Checkpoint
+
+    mc = Checkpoint.open(str(make_checkpoint("mixtral", tmp_path / "m"))).config
+    assert mc.max_position_embeddings == 512
+    cpu = torch.device("cpu")
+    assert rank.context_length(0, mc, 16, torch.float32, cpu) == 512
+    assert rank.context_length(300, mc, 16, torch.float32, cpu) == 300
+    with pytest.raises(ValueError, match="^max_len 1024 exceeds the model's 512 positions$"):
+        rank.context_length(1024, mc, 16, torch.float32, cpu)
+    per_token = 2 * mc.num_layers * 17 * mc.num_kv_heads * mc.head_dim * 4
+    monkeypatch.setattr(rank, "_free_memory", lambda device: 4 * per_token * 300)
+    assert rank.context_length(0, mc, 16, torch.float32, cpu) == 256
+    monkeypatch.setattr(rank, "_free_memory", lambda device: 4 * per_token * 200)
+    with pytest.raises(ValueError, match="does not fit in cpu memory even at 256 tokens each: lower Worker.max_seqs"):
+        rank.context_length(0, mc, 16, torch.float32, cpu)

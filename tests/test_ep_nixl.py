@@ -31,8 +31,20 @@ def _spawn(tmp: Path, scenario: str, world: int, *extra: str) -> list[subprocess
     procs = []
     for r in range(world):
         log = open(tmp / f"log-{r}.txt", "wb")
-        cmd = [sys.executable, "-m", "tests.ep_peer", "--scenario", scenario, "--rank", str(r),
-               "--world", str(world), "--dir", str(tmp), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.ep_peer",
+            "--scenario",
+            scenario,
+            "--rank",
+            str(r),
+            "--world",
+            str(world),
+            "--dir",
+            str(tmp),
+            *extra,
+        ]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         log.close()
     return procs
@@ -131,13 +143,25 @@ def test_a_parked_rank_suspends_and_resumes_with_the_same_buffers(tmp_path):
     assert results[1]["renamed"] and not results[0]["renamed"]
     assert results[1]["suspended_metadata"] == ""
     assert results[1]["errors"]["connect_suspended"] == (
-        "EPError: rank 1: communicator is suspended (parked); resume() it first")
+        "EPError: rank 1: communicator is suspended (parked); resume() it first"
+    )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("buffers", ["cpu", pytest.param("cuda", marks=pytest.mark.xfail(
-    strict=True, reason="the peer's UCX keeps the parked rank's device buffers mapped (cuda_ipc); "
-    "cuCheckpointProcessRestore then fails with CUDA_ERROR_INVALID_VALUE (H200, driver 580)"))])
+@pytest.mark.parametrize(
+    "buffers",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the peer's UCX keeps the parked rank's device buffers mapped (cuda_ipc); "
+                "cuCheckpointProcessRestore then fails with CUDA_ERROR_INVALID_VALUE (H200, driver 580)",
+            ),
+        ),
+    ],
+)
 def test_a_parked_rank_survives_a_cuda_checkpoint(tmp_path, buffers):
     """The parked rank of the park scenario is checkpointed and restored (CUDA driver API) while
     its peer goes on; then both reconnect. Why the engine keeps EP buffers in host memory: with
@@ -274,7 +298,6 @@ def test_close_twice_and_use_after_close():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_all_to_all_2_ranks_gpu(tmp_path):
     results = _run(tmp_path, "exchange", 2, "--rounds", "20", "--device", "cuda", "--latency", "500", timeout=120)
     for res in results:

@@ -31,9 +31,18 @@ def test_scale_cycle_with_parked_ranks_checkpointed():
     if not ok:
         pytest.skip(why)
     reference = dict(enumerate(engine_reference(PROMPTS, MAX_TOKENS, device="cuda")))
-    srv = Server(["--Worker.device=cuda", "--Worker.vmm=true", "--Worker.max_ranks=4", "--Worker.max_seqs=8",
-                  "--Router.checkpoint_parked=true", "--Router.rebalance=false", "--Planner.enabled=false"],
-                 boot_timeout_s=600)
+    srv = Server(
+        [
+            "--Worker.device=cuda",
+            "--Worker.vmm=true",
+            "--Worker.max_ranks=4",
+            "--Worker.max_seqs=8",
+            "--Router.checkpoint_parked=true",
+            "--Router.rebalance=false",
+            "--Planner.enabled=false",
+        ],
+        boot_timeout_s=600,
+    )
     try:
         with Traffic(srv, PROMPTS, MAX_TOKENS, clients=4) as traffic:
             time.sleep(2)

@@ -9,7 +9,6 @@ import asyncio
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -18,12 +17,11 @@ import time
 import httpx
 import pytest
 
-from components.planner import Bounds, Inputs, Planner, Policy, parse_prometheus, quantile, histogram, resolve
-from tests.server import ROOT, Server, engine_reference, free_ports
+from components.planner import Bounds, Inputs, Planner, Policy, histogram, parse_prometheus, quantile, resolve
+from tests.server import ROOT, Server, engine_reference, env_tool, free_ports
 
 MAX_TOKENS = 16
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(8)]
-DYNAMO = shutil.which("dynamo")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -31,9 +29,23 @@ DYNAMO = shutil.which("dynamo")
 
 
 def inputs(dp: int, load: float, scaling: bool = False, **kw) -> Inputs:
-    base = dict(dp=dp, scaling=scaling, inflight=load, running=int(load), waiting=0, rate=None, duration_s=None,
-                ttft_p50_s=None, ttft_p95_s=None, itl_p50_s=None, itl_p95_s=None, kv_use=None, load_ewma=load,
-                rate_ewma=None, predicted=load)
+    base = dict(
+        dp=dp,
+        scaling=scaling,
+        inflight=load,
+        running=int(load),
+        waiting=0,
+        rate=None,
+        duration_s=None,
+        ttft_p50_s=None,
+        ttft_p95_s=None,
+        itl_p50_s=None,
+        itl_p95_s=None,
+        kv_use=None,
+        load_ewma=load,
+        rate_ewma=None,
+        predicted=load,
+    )
     base.update(kw)
     return Inputs(**base)
 
@@ -78,6 +90,10 @@ def test_policy_hysteresis_step_cooldown_and_bounds():
     p = policy(ttft_p95_slo_s=0.5, up_intervals=1)
     assert p.decide(inputs(2, 4, ttft_p95_s=2.0), 0)[:2] == ("up", 3)
     assert p.decide(inputs(2, 1, ttft_p95_s=2.0), 20)[0] == "keep"
+    # A rank whose KV cache is nearly full asks for one more rank too.
+    p = policy(up_intervals=1)
+    a, t, why = p.decide(inputs(2, 4, kv_use=0.95), 0)
+    assert (a, t) == ("up", 3) and "kv use 0.95 > 0.9" in why
 
 
 def test_prometheus_parsing_and_quantiles():
@@ -102,17 +118,25 @@ weird line
 # bad config is refused at start
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--Planner.min_dp=3", "--Planner.max_dp=2"], "min_dp (3) is greater than max_dp (2)"),
-    (["--Planner.max_dp=9"], "Planner.max_dp (9) is over capacity: Worker.max_ranks is 4"),
-    (["--Planner.step=0"], "step must be >= 1"),
-    (["--Planner.min_dp=3"], "Worker.dp_size (2) is outside the planner's bounds 3..4"),
-    (["--Planner.scale_up_threshold=2", "--Planner.scale_down_threshold=3"], "must be below scale_up_threshold"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--Planner.min_dp=3", "--Planner.max_dp=2"], "min_dp (3) is greater than max_dp (2)"),
+        (["--Planner.max_dp=9"], "Planner.max_dp (9) is over capacity: Worker.max_ranks is 4"),
+        (["--Planner.step=0"], "step must be >= 1"),
+        (["--Planner.min_dp=3"], "Worker.dp_size (2) is outside the planner's bounds 3..4"),
+        (["--Planner.scale_up_threshold=2", "--Planner.scale_down_threshold=3"], "must be below scale_up_threshold"),
+    ],
+)
 def test_bad_planner_config_is_refused_at_start(args, message, tmp_path):
     disc = tmp_path / "discovery"
-    r = subprocess.run([DYNAMO, "serve", "graphs/elastic:Frontend", "--discovery-dir", str(disc), *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [env_tool("dynamo"), "serve", "graphs/elastic:Frontend", "--discovery-dir", str(disc), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr, r.stderr
     assert "started" not in r.stdout + r.stderr  # nothing was started
@@ -173,11 +197,23 @@ def planner_port():
 
 @pytest.fixture(scope="module")
 def server(planner_port):
-    srv = Server(["--Worker.dp_size=1", "--Worker.max_ranks=3", "--Planner.min_dp=1", "--Planner.max_dp=3",
-                  "--Planner.interval_s=1", "--Planner.cooldown_s=3", "--Planner.up_intervals=2",
-                  "--Planner.down_intervals=3", "--Planner.scale_up_threshold=2.5",
-                  "--Planner.scale_down_threshold=1.5", f"--Planner.port={planner_port}",
-                  "--Router.prepare_timeout_s=150", "--Router.drain_timeout_s=20"])
+    srv = Server(
+        [
+            "--Worker.dp_size=1",
+            "--Worker.max_ranks=3",
+            "--Planner.min_dp=1",
+            "--Planner.max_dp=3",
+            "--Planner.interval_s=1",
+            "--Planner.cooldown_s=3",
+            "--Planner.up_intervals=2",
+            "--Planner.down_intervals=3",
+            "--Planner.scale_up_threshold=2.5",
+            "--Planner.scale_down_threshold=1.5",
+            f"--Planner.port={planner_port}",
+            "--Router.prepare_timeout_s=150",
+            "--Router.drain_timeout_s=20",
+        ]
+    )
     try:
         yield srv
     finally:
@@ -290,8 +326,9 @@ def test_dynamo_connector_drives_dp_size(server, reference):
         await conn.async_init()
         await conn.validate_deployment(decode_component_name="worker", require_prefill=False)
         assert await conn.get_actual_worker_counts(decode_component_name="worker") == (0, 1, True)
-        await conn.set_component_replicas([TargetReplica(sub_component_type="decode", desired_replicas=2)],
-                                          blocking=True)
+        await conn.set_component_replicas(
+            [TargetReplica(sub_component_type="decode", desired_replicas=2)], blocking=True
+        )
         assert await conn.get_actual_worker_counts(decode_component_name="worker") == (0, 2, True)
         await conn.remove_component("decode", blocking=True)
         counts = await conn.get_actual_worker_counts(decode_component_name="worker")
@@ -323,8 +360,9 @@ def test_kubernetes_provider_scales_the_statefulset():
             body = await request.json()
             state["replicas"] = body["spec"]["replicas"]
             state["patches"].append(state["replicas"])
-        return web.json_response({"kind": "Scale", "spec": {"replicas": state["replicas"]},
-                                  "status": {"replicas": state["replicas"]}})
+        return web.json_response(
+            {"kind": "Scale", "spec": {"replicas": state["replicas"]}, "status": {"replicas": state["replicas"]}}
+        )
 
     async def pod(request):
         i = int(request.match_info["name"].rsplit("-", 1)[1])
@@ -335,14 +373,19 @@ def test_kubernetes_provider_scales_the_statefulset():
 
     async def go():
         app = web.Application()
-        app.add_routes([web.route("*", "/apis/apps/v1/namespaces/ns/statefulsets/worker/scale", scale),
-                        web.get("/api/v1/namespaces/ns/pods/{name}", pod)])
+        app.add_routes(
+            [
+                web.route("*", "/apis/apps/v1/namespaces/ns/statefulsets/worker/scale", scale),
+                web.get("/api/v1/namespaces/ns/pods/{name}", pod),
+            ]
+        )
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_ports(1)[0]
         await web.TCPSite(runner, "127.0.0.1", port).start()
-        prov = KubernetesProvider(api_url=f"http://127.0.0.1:{port}", namespace="ns", statefulset="worker",
-                                  token="t0k", poll_s=0.05)
+        prov = KubernetesProvider(
+            api_url=f"http://127.0.0.1:{port}", namespace="ns", statefulset="worker", token="t0k", poll_s=0.05
+        )
         try:
             await prov.acquire([2, 3], op="op1")
             assert state["replicas"] == 4

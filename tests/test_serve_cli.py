@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,13 +16,10 @@ import httpx
 import openai
 import pytest
 
+from tests.server import env_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = "tests/graphs/echo:Frontend"
-DYNAMO = shutil.which("dynamo")
-
-pytestmark = pytest.mark.skipif(
-    DYNAMO is None, reason="`dynamo` console script missing: pip install -e . --no-deps"
-)
 
 
 def free_port() -> int:
@@ -33,9 +29,7 @@ def free_port() -> int:
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [DYNAMO, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([env_tool("dynamo"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def alive(pid: int) -> bool:
@@ -58,7 +52,7 @@ class Served:
         self.log_path = tmp / "serve.log"
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [DYNAMO, "serve", GRAPH, f"--Frontend.port={self.port}", *args],
+            [env_tool("dynamo"), "serve", GRAPH, f"--Frontend.port={self.port}", *args],
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -176,8 +170,16 @@ def test_bad_config_file_exits_2(tmp_path: Path) -> None:
 def test_config_layers_and_module_form(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("Frontend: {port: 9001, migration_limit: 0}\nEchoWorker: {replicas: 3, model_name: m}\n")
-    r = run_cli("serve", "tests.graphs.echo:Frontend", "-f", str(cfg), "--Frontend.port=9002",
-                "--EchoWorker.model_name", "123", "--dry-run")
+    r = run_cli(
+        "serve",
+        "tests.graphs.echo:Frontend",
+        "-f",
+        str(cfg),
+        "--Frontend.port=9002",
+        "--EchoWorker.model_name",
+        "123",
+        "--dry-run",
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert '"port": 9002' in out and '"migration_limit": 0' in out and '"replicas": 3' in out
@@ -244,6 +246,31 @@ def test_critical_death_stops_graph(serve_factory) -> None:
 def test_dynamo_without_subcommand_is_usage_error() -> None:
     r = run_cli()
     assert r.returncode == 2 and "serve" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "components.serve", "serve"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "components.serve", "serve"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
     assert r.returncode == 2 and "a graph is required" in r.stderr
+
+
+def test_a_rank_that_cannot_start_stops_the_graph_with_its_reason(tmp_path) -> None:
+    """Not a router waiting 300 s for ranks that will never come: the first rank that cannot start
+    stops everything, and its one-line reason is the last thing `dynamo serve` says about it."""
+    r = run_cli(
+        "serve",
+        "graphs/elastic:Frontend",
+        "--discovery-dir",
+        str(tmp_path),
+        "--Worker.max_len=100000",
+        f"--Frontend.port={free_port()}",
+        f"--Router.port={free_port()}",
+        "--Planner.enabled=false",
+        timeout=150,
+    )  # below the router's 300 s bootstrap timeout
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert re.search(
+        r"^dynamo serve: Worker\.[01] cannot start: max_len 100000 exceeds the model's 4096 positions; "
+        r"stopping the graph$",
+        r.stderr,
+        re.M,
+    ), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr

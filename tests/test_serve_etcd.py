@@ -11,10 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server import Server, free_ports
-
-ETCD = shutil.which("etcd")
-pytestmark = pytest.mark.skipif(ETCD is None, reason="etcd not installed (apt-get install etcd-server)")
+from tests.server import Server, env_tool, free_ports
 
 
 @pytest.fixture
@@ -22,11 +19,25 @@ def etcd():
     client, peer = free_ports(2)
     data = tempfile.mkdtemp(prefix="etcd-test-")
     url = f"http://127.0.0.1:{client}"
-    proc = subprocess.Popen([ETCD, "--data-dir", data, "--listen-client-urls", url, "--advertise-client-urls", url,
-                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            env_tool("etcd"),
+            "--data-dir",
+            data,
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"default=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

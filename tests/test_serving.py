@@ -9,7 +9,6 @@ One server for the whole module; the last test stops it and checks nothing is le
 from __future__ import annotations
 
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -21,15 +20,11 @@ import pytest
 
 from tests.server import Server, alive, pids_with_env
 
-DYNAMO = shutil.which("dynamo")
 MODEL = "elastic-ep/tiny-moe"
 MAX_LEN = 1024  # Worker.max_len default; the reference engine uses the same
 MAX_TOKENS = 16
 BOOT_TIMEOUT_S = 150  # 2-core CI: four processes import torch and the Dynamo runtime at once
 
-pytestmark = pytest.mark.skipif(
-    DYNAMO is None, reason="`dynamo` console script missing: pip install -e . --no-deps"
-)
 
 PROMPTS = [
     "Hello! How are you",
@@ -51,8 +46,10 @@ PROMPTS = [
 ]
 CHATS = [
     [{"role": "user", "content": "hi"}],
-    [{"role": "system", "content": "You are a helpful robot."},
-     {"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a helpful robot."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
 ]
 
 
@@ -88,8 +85,9 @@ def compute_reference() -> tuple[dict[str, Expected], list[Expected]]:
     chat_tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompt_ids = [tok.encode(p).ids for p in PROMPTS]
     chat_ids = [
-        tok.encode(chat_tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False).ids
+        tok.encode(
+            chat_tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        ).ids
         for m in CHATS
     ]
     all_ids = prompt_ids + chat_ids
@@ -100,11 +98,13 @@ def compute_reference() -> tuple[dict[str, Expected], list[Expected]]:
         tokens, ends = generate(eng, all_ids, MAX_TOKENS)
     finally:
         eng.stop()
-    exp = [Expected(ids, toks, end, tok.decode(toks, skip_special_tokens=True))
-           for ids, toks, end in zip(all_ids, tokens, ends)]
+    exp = [
+        Expected(ids, toks, end, tok.decode(toks, skip_special_tokens=True))
+        for ids, toks, end in zip(all_ids, tokens, ends)
+    ]
     for e in exp:
         assert e.finish in ("length", "eos"), e.finish
-    return dict(zip(PROMPTS, exp[: len(PROMPTS)])), exp[len(PROMPTS):]
+    return dict(zip(PROMPTS, exp[: len(PROMPTS)])), exp[len(PROMPTS) :]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,8 +182,14 @@ def collect(stream, piece) -> tuple[str, str | None, object, int]:
 def test_completion_stream_matches_reference(stack: Stack) -> None:
     prompt = PROMPTS[2]
     exp = stack.expected[prompt]
-    stream = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                             stream=True, stream_options={"include_usage": True})
+    stream = stack.client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, finish, usage, chunks = collect(stream, lambda choice: choice.text)
     assert chunks > 1, "not streamed"
     assert text == exp.text, (prompt, exp.tokens)
@@ -193,8 +199,7 @@ def test_completion_stream_matches_reference(stack: Stack) -> None:
 
 def test_chat_matches_reference(stack: Stack) -> None:
     for messages, exp in zip(CHATS, stack.expected_chat):
-        c = stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
-                                                 temperature=0)
+        c = stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
         msg = c.choices[0].message
         assert msg.role == "assistant"
         assert (msg.content or "") == exp.text, (messages, exp.tokens)
@@ -204,9 +209,14 @@ def test_chat_matches_reference(stack: Stack) -> None:
 
 def test_chat_stream_matches_reference(stack: Stack) -> None:
     messages, exp = CHATS[1], stack.expected_chat[1]
-    stream = stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
-                                                  temperature=0, stream=True,
-                                                  stream_options={"include_usage": True})
+    stream = stack.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, finish, usage, chunks = collect(stream, lambda choice: choice.delta.content)
     assert chunks > 1, "not streamed"
     assert text == exp.text, (messages, exp.tokens)
@@ -263,13 +273,19 @@ def error_of(r: httpx.Response) -> dict:
 BAD_REQUESTS = {
     # name: (path, body (str = raw bytes sent as JSON), status, message fragment)
     "malformed-json": ("completions", '{"model": "x", "prompt": ', 400, "JSON"),
-    "unknown-model": ("completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}, 404,
-                      "not found"),
-    "max-tokens-over-context": ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100000}, 400,
-                                "context is 1024 tokens"),
-    "chat-max-tokens-over-context": ("chat/completions", {"model": MODEL, "max_tokens": 100000,
-                                                          "messages": [{"role": "user", "content": "hi"}]},
-                                     400, "context is 1024 tokens"),
+    "unknown-model": ("completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}, 404, "not found"),
+    "max-tokens-over-context": (
+        "completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 100000},
+        400,
+        "context is 1024 tokens",
+    ),
+    "chat-max-tokens-over-context": (
+        "chat/completions",
+        {"model": MODEL, "max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]},
+        400,
+        "context is 1024 tokens",
+    ),
     "empty-prompt": ("completions", {"model": MODEL, "prompt": "", "max_tokens": 4}, 400, "empty"),
     "chat-no-messages": ("chat/completions", {"model": MODEL, "messages": [], "max_tokens": 4}, 400, "empty"),
 }
@@ -333,8 +349,9 @@ def test_sigterm_stops_everything(stack: Stack) -> None:
     assert rc == 0, stack.tail()
     assert "stopping (terminated)" in stack.output and "all components stopped" in stack.output
     deadline = time.monotonic() + 5
-    while (left := [p for p in procs if alive(p)] + sorted(pids_with_env(stack.env_marker))) and \
-            time.monotonic() < deadline:
+    while (
+        left := [p for p in procs if alive(p)] + sorted(pids_with_env(stack.env_marker))
+    ) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"processes left after shutdown: {left}"
     assert "SIGKILL" not in stack.output, "a component needed SIGKILL to stop"

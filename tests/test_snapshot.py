@@ -15,8 +15,14 @@ from snapshot import cuda_checkpoint
 from snapshot.bake import DEFAULTS, bake, target_for
 from snapshot.criu import criu_status
 from snapshot.manifest import (
-    SnapshotCorrupt, SnapshotExists, SnapshotManifest, SnapshotMismatch, check_compatible, load_manifest,
-    verify, write_snapshot,
+    SnapshotCorrupt,
+    SnapshotExists,
+    SnapshotManifest,
+    SnapshotMismatch,
+    check_compatible,
+    load_manifest,
+    verify,
+    write_snapshot,
 )
 from snapshot.store import find_compatible, list_snapshots, remove_snapshot
 
@@ -43,8 +49,14 @@ def cli(*args, env_root=None, check=None):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if env_root is not None:
         env["ELASTIC_EP_SNAPSHOTS"] = str(env_root)
-    r = subprocess.run([sys.executable, "-m", "snapshot.cli", *map(str, args)], capture_output=True,
-                       text=True, env=env, cwd=REPO, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "snapshot.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     if check is not None:
         assert r.returncode == check, (r.returncode, r.stdout, r.stderr)
     return r
@@ -59,11 +71,16 @@ def test_defaults_follow_the_worker():
 
 def test_bake_builtin_verifies_and_matches_its_deployment(builtin_snap, builtin_target):
     path, m = builtin_snap
-    assert sorted(p.name for p in path.iterdir()) == ["engine.json", "manifest.json", "model_config.json", "warmup.json"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "engine.json",
+        "manifest.json",
+        "model_config.json",
+        "warmup.json",
+    ]
     assert verify(path) == m == load_manifest(path)
     assert m.tier == "artifacts" and not m.weights_included
     assert m.device_type == "cpu" and m.driver_version == "" and m.cuda_graph_sizes == []
-    assert (m.max_ranks, m.max_seqs, m.max_len) == (4, 16, 1024) and m.dtype == "float32"
+    assert (m.max_ranks, m.max_seqs, m.max_len) == (4, 16, 4096) and m.dtype == "float32"  # the model's length
     assert m.num_experts == 8 and m.slots_per_rank == 8  # min_ranks 1: every expert on one rank
     assert m.model_identity == builtin_target.model_identity and m.model_name == "elastic-ep/tiny-moe"
     assert m.warmup_seconds > 0
@@ -114,14 +131,19 @@ def test_other_model_and_max_ranks_are_refused(builtin_snap, builtin_target, sto
     with pytest.raises(SnapshotMismatch) as e:
         check_compatible(m, builtin_target, path=path)
     msg = str(e.value)
-    assert msg.startswith(f"snapshot {path}: does not match this deployment: model_identity is "
-                          f"{m.model_identity[:12]}.. in the snapshot, {builtin_target.model_identity[:12]}.. here")
-    assert "max_len is 256 in the snapshot, 1024 here" in msg
+    assert msg.startswith(
+        f"snapshot {path}: does not match this deployment: model_identity is "
+        f"{m.model_identity[:12]}.. in the snapshot, {builtin_target.model_identity[:12]}.. here"
+    )
+    assert "max_len is 256 in the snapshot, 4096 here" in msg
     assert "max_ranks" not in msg
 
     other = msgspec.structs.replace(builtin_target, max_ranks=8)
-    with pytest.raises(SnapshotMismatch, match=r"^snapshot .*builtin: does not match this deployment: "
-                                               r"max_ranks is 4 in the snapshot, 8 here$"):
+    with pytest.raises(
+        SnapshotMismatch,
+        match=r"^snapshot .*builtin: does not match this deployment: "
+        r"max_ranks is 4 in the snapshot, 8 here$",
+    ):
         check_compatible(builtin_snap[0], other)
 
     ok, refused = find_compatible(builtin_target, store)
@@ -188,7 +210,9 @@ def test_cli_round_trip(tmp_path):
 
     m = load_manifest(out)
     r = cli("list", env_root=root, check=0)
-    assert "ID" in r.stdout and m.snapshot_id in r.stdout and "elastic-ep/tiny-moe" in r.stdout and "artifacts" in r.stdout
+    assert (
+        "ID" in r.stdout and m.snapshot_id in r.stdout and "elastic-ep/tiny-moe" in r.stdout and "artifacts" in r.stdout
+    )
     r = cli("list", "--root", tmp_path / "empty", check=0)
     assert "no snapshots" in r.stdout
 
@@ -258,13 +282,13 @@ def test_cli_tiers():
 
 # ---- GPU ---------------------------------------------------------------------------------------
 
-CHILD = r'''
+CHILD = r"""
 import sys, torch
 x = torch.arange(64 * 1024 * 1024, device="cuda", dtype=torch.float32)  # 256 MiB
 s = float(x.double().sum()); print("ready", flush=True)
 sys.stdin.readline()
 print("same" if float(x.double().sum()) == s else "differs", flush=True)
-'''
+"""
 
 
 @pytest.mark.gpu

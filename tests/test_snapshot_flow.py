@@ -69,9 +69,23 @@ def test_no_fitting_snapshot_falls_back_to_a_cold_start(server, snapshots):
 
 
 def test_checkpointing_parked_cuda_ranks_needs_the_vmm_arena(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "components.serve", "serve", "graphs/elastic:Frontend",
-                        "--discovery-dir", str(tmp_path), "--Worker.device=cuda", "--Router.checkpoint_parked=true"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "components.serve",
+            "serve",
+            "graphs/elastic:Frontend",
+            "--discovery-dir",
+            str(tmp_path),
+            "--Worker.device=cuda",
+            "--Router.checkpoint_parked=true",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Router.checkpoint_parked needs --Worker.vmm=true" in r.stderr
     assert "started" not in r.stdout + r.stderr

@@ -176,20 +176,36 @@ def test_release_memory_needs_vmm(tmp_path):
 
 
 # ---- 3: checkpoint/restore of a parked rank process ----------------------------------------------
-def make_big_checkpoint(path: Path, layers: int = 4, hidden: int = 2048, inter: int = 4096,
-                        experts: int = 8, vocab: int = 32000) -> Path:
+def make_big_checkpoint(
+    path: Path, layers: int = 4, hidden: int = 2048, inter: int = 4096, experts: int = 8, vocab: int = 32000
+) -> Path:
     """A Mixtral-shaped random bf16 checkpoint (about 2 GB at the defaults), made on the GPU."""
     from safetensors.torch import save_file
 
     from components.engine.checkpoint import expected_tensors
     from components.engine.config import ModelConfig
 
-    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": hidden,
-           "intermediate_size": inter, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-           "num_hidden_layers": layers, "num_local_experts": experts, "num_experts_per_tok": 2,
-           "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 4096,
-           "sliding_window": None, "tie_word_embeddings": False, "dtype": "bfloat16",
-           "bos_token_id": 1, "eos_token_id": 2}
+    cfg = {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_hidden_layers": layers,
+        "num_local_experts": experts,
+        "num_experts_per_tok": 2,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 4096,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -205,8 +221,9 @@ def make_big_checkpoint(path: Path, layers: int = 4, hidden: int = 2048, inter: 
 
 
 def _smi(*args) -> list[list[str]]:
-    out = subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True,
-                         text=True, timeout=60).stdout
+    out = subprocess.run(
+        ["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60
+    ).stdout
     return [[c.strip() for c in line.split(",")] for line in out.strip().splitlines() if line.strip()]
 
 
@@ -217,8 +234,11 @@ def gpu_used_mb() -> int:
 def child_mb(pid: int, baseline: int) -> dict:
     """The child's GPU memory: its nvidia-smi compute-app row when one shows up (not in every
     container), and the device total minus the total before it started."""
-    apps = {int(r[0]): int(r[1]) for r in _smi("--query-compute-apps=pid,used_memory")
-            if len(r) == 2 and r[0].isdigit() and r[1].isdigit()}
+    apps = {
+        int(r[0]): int(r[1])
+        for r in _smi("--query-compute-apps=pid,used_memory")
+        if len(r) == 2 and r[0].isdigit() and r[1].isdigit()
+    }
     return {"app_mb": apps.get(pid), "delta_mb": gpu_used_mb() - baseline}
 
 
@@ -232,8 +252,14 @@ def rss_mb(pid: int) -> float:
 class Child:
     def __init__(self, model: Path, comm: str, max_new: int):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        self.p = subprocess.Popen([sys.executable, str(CHILD), str(model), comm, str(max_new)], cwd=REPO, env=env,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen(
+            [sys.executable, str(CHILD), str(model), comm, str(max_new)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.q: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -313,21 +339,32 @@ def run_checkpoint_flow(model: Path, comm: str, max_new: int, name: str) -> dict
     try:
         ready = child.read(600)
         assert ready["event"] == "ready" and ready["mapped"]
-        rows = [park_cycle(child, ready, baseline, release=False),
-                park_cycle(child, ready, baseline, release=True)]
+        rows = [park_cycle(child, ready, baseline, release=False), park_cycle(child, ready, baseline, release=True)]
     finally:
         child.close()
-    result = {"model": str(model), "comm": comm, "arena_mb": ready["arena_bytes"] / 2**20,
-              "build_s": ready["build_s"], "torch_reserved_mb": ready["torch_reserved"] / 2**20,
-              "baseline_gpu_used_mb": baseline, "captures": ready["captures"], "rows": rows}
-    print(f"\n[{name}] arena {result['arena_mb']:.0f} MiB, comm={comm}, torch cache "
-          f"{result['torch_reserved_mb']:.0f} MiB")
-    print(f"{'mode':<18}{'resident MB':>12}{'parked MB':>11}{'ckpt s':>9}{'restore s':>11}"
-          f"{'remap+reload s':>16}{'host RSS parked MB':>20}")
+    result = {
+        "model": str(model),
+        "comm": comm,
+        "arena_mb": ready["arena_bytes"] / 2**20,
+        "build_s": ready["build_s"],
+        "torch_reserved_mb": ready["torch_reserved"] / 2**20,
+        "baseline_gpu_used_mb": baseline,
+        "captures": ready["captures"],
+        "rows": rows,
+    }
+    print(
+        f"\n[{name}] arena {result['arena_mb']:.0f} MiB, comm={comm}, torch cache {result['torch_reserved_mb']:.0f} MiB"
+    )
+    print(
+        f"{'mode':<18}{'resident MB':>12}{'parked MB':>11}{'ckpt s':>9}{'restore s':>11}"
+        f"{'remap+reload s':>16}{'host RSS parked MB':>20}"
+    )
     for r in rows:
         refill = f"{r['remap_s']:.3f}+{r['reload_s']:.3f}" if "remap_s" in r else "-"
-        print(f"{r['mode']:<18}{_mb(r['resident']):>12.0f}{_mb(r['parked']):>11.0f}{r['checkpoint_s']:>9.3f}"
-              f"{r['restore_s']:>11.3f}{refill:>16}{r['rss_mb_parked']:>20.0f}")
+        print(
+            f"{r['mode']:<18}{_mb(r['resident']):>12.0f}{_mb(r['parked']):>11.0f}{r['checkpoint_s']:>9.3f}"
+            f"{r['restore_s']:>11.3f}{refill:>16}{r['rss_mb_parked']:>20.0f}"
+        )
     out_dir = os.environ.get("VMM_RESULTS_DIR")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -354,22 +391,19 @@ def test_checkpoint_parks_vmm_rank_without_weights(tmp_path):
 @pytest.mark.gpu
 def test_checkpoint_parks_vmm_rank_with_nixl_comm(tmp_path):
     """The same flow with the default NIXL communicator (its VRAM buffers registered)."""
-    try:
-        from components.engine.nixl_agent import import_nixl
-
-        import_nixl()
-    except ImportError as e:
-        pytest.skip(f"NIXL is not installed: {e}")
     model = make_checkpoint("mixtral", tmp_path / "tiny")
     run_checkpoint_flow(model, "nixl", MAX_NEW, "vmm_checkpoint_nixl_tiny")
 
 
 def outside(call: str, pid: int) -> dict:
     """cuda_checkpoint.<call>(pid) from a fresh process with no CUDA context, as the router has."""
-    code = ("import json, sys; from snapshot import cuda_checkpoint as c; "
-            "print(json.dumps(getattr(c, sys.argv[1])(int(sys.argv[2]))))")
-    r = subprocess.run([sys.executable, "-c", code, call, str(pid)], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
+    code = (
+        "import json, sys; from snapshot import cuda_checkpoint as c; "
+        "print(json.dumps(getattr(c, sys.argv[1])(int(sys.argv[2]))))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, call, str(pid)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, f"{call}(pid {pid}) from another process: {r.stderr.strip().splitlines()[-1:]}"
     return json.loads(r.stdout)
 

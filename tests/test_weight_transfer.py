@@ -69,11 +69,13 @@ class Sources:
         return json.loads(path.read_text()) if path.exists() else []
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.dir.glob("log-*.txt")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.dir.glob("log-*.txt"))
+        )
 
     def stop(self) -> None:
         (self.dir / "stop").touch()
-        for r, p in self.procs.items():
+        for _r, p in self.procs.items():
             try:
                 p.send_signal(signal.SIGCONT)
                 p.wait(timeout=20)
@@ -172,7 +174,9 @@ def test_mismatch_refused_before_transfer(src, expected):
         with pytest.raises(WeightTransferError, match=r"no manifest for rank 5"):
             local.pull([PullItem(5, "embed", "embed")], m)
         with pytest.raises(WeightTransferError, match=r"overlaps"):
-            local.pull([PullItem(0, "moe.w_gate", "moe.w_gate"), PullItem(0, "experts.0.1.gate", "experts.0.1.gate")], m)
+            local.pull(
+                [PullItem(0, "moe.w_gate", "moe.w_gate"), PullItem(0, "experts.0.1.gate", "experts.0.1.gate")], m
+            )
         assert not local.tensors["attn.qkv"].any()
         # The store is still usable after refusals.
         local.pull([PullItem(0, "attn.qkv", "attn.qkv")], m, timeout_s=30)
@@ -299,7 +303,6 @@ def test_store_validates_tensors():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("memory", ["torch", "vmm"])
 def test_pull_two_sources_gpu(tmp_path, memory):
     """Same-node sources are copied from directly: CUDA IPC for torch allocations, the lent arena
@@ -328,14 +331,15 @@ def test_pull_two_sources_gpu(tmp_path, memory):
             assert (m[0].vmm != []) == (memory == "vmm")
             # Same bytes, same checksum on either device.
             assert checksum(local.tensors["embed"]) == checksum(exp[0]["embed"])
-            print(f"\nGPU: pulled {stats.bytes / 2**20:.0f} MiB from 2 sources: {stats.gbps:.2f} GB/s end to end, "
-                  f"{stats.bytes / stats.transfer_seconds / 1e9:.2f} GB/s transfer only")
+            print(
+                f"\nGPU: pulled {stats.bytes / 2**20:.0f} MiB from 2 sources: {stats.gbps:.2f} GB/s end to end, "
+                f"{stats.bytes / stats.transfer_seconds / 1e9:.2f} GB/s transfer only"
+            )
     finally:
         s.stop()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_checksum_same_on_cpu_and_cuda():
     g = torch.Generator().manual_seed(1)
     ts = [

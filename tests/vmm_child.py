@@ -26,7 +26,6 @@ from components.engine.weight_transfer import WeightStore  # noqa: E402
 from tests.reference import PROMPTS, submit_all  # noqa: E402
 
 
-
 class LocalComm:
     """A one-rank EPCommunicator (no NIXL): all_to_all hands this rank's message back to it."""
 
@@ -90,10 +89,13 @@ def generate(eng: EngineRank, max_new: int) -> list[list[int]]:
 
 
 def state(eng: EngineRank) -> dict:
-    return {"captures": eng.graphs.captures if eng.graphs else 0,
-            "replays": eng.graphs.replays if eng.graphs else 0,
-            "arena_ptr": eng.arena.ptr, "lm_head_ptr": eng.model.lm_head.weight.data_ptr(),
-            "mapped": eng.arena.mapped}
+    return {
+        "captures": eng.graphs.captures if eng.graphs else 0,
+        "replays": eng.graphs.replays if eng.graphs else 0,
+        "arena_ptr": eng.arena.ptr,
+        "lm_head_ptr": eng.model.lm_head.weight.data_ptr(),
+        "mapped": eng.arena.mapped,
+    }
 
 
 def main() -> None:
@@ -109,8 +111,16 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     eng.start()
     tokens = generate(eng, max_new)
-    say(event="ready", pid=os.getpid(), tokens=tokens, build_s=build_s, arena_bytes=eng.arena.nbytes,
-        arena_used=eng.arena.used, torch_reserved=torch.cuda.memory_reserved(), **state(eng))
+    say(
+        event="ready",
+        pid=os.getpid(),
+        tokens=tokens,
+        build_s=build_s,
+        arena_bytes=eng.arena.nbytes,
+        arena_used=eng.arena.used,
+        torch_reserved=torch.cuda.memory_reserved(),
+        **state(eng),
+    )
 
     def refill():
         t = time.perf_counter()

@@ -68,7 +68,7 @@ def _train_bpe(words: list[str], vocab_size: int) -> tuple[dict[str, int], list[
     """Plain BPE with a fixed tie-break, kept in Python so the result never depends on the
     tokenizers version or thread scheduling."""
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for b, ch in sorted(_bytes_to_unicode().items()):
+    for _, ch in sorted(_bytes_to_unicode().items()):
         vocab[ch] = len(vocab)
     counts = collections.Counter(words)
     seqs = {w: list(w) for w in counts}
@@ -177,20 +177,42 @@ def write_builtin_model(dest: str | Path) -> Path:
     tok = build_tokenizer()
     cfg = _model_config(tok.get_vocab_size(with_added_tokens=True))
     _dump(dest / "config.json", cfg)
-    _dump(dest / "generation_config.json", {
-        "bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
-        "do_sample": False,
-    })
+    _dump(
+        dest / "generation_config.json",
+        {
+            "bos_token_id": cfg["bos_token_id"],
+            "eos_token_id": cfg["eos_token_id"],
+            "do_sample": False,
+        },
+    )
     (dest / "tokenizer.json").write_text(tok.to_str(pretty=True))
-    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": True} for i, t in enumerate(SPECIAL_TOKENS)}
-    _dump(dest / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": None, "unk_token": None,
-        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": cfg["max_position_embeddings"], "added_tokens_decoder": added,
-        "chat_template": CHAT_TEMPLATE,
-    })
+    added = {
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, t in enumerate(SPECIAL_TOKENS)
+    }
+    _dump(
+        dest / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "pad_token": None,
+            "unk_token": None,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": cfg["max_position_embeddings"],
+            "added_tokens_decoder": added,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
     save_file(_weights(cfg), str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
 

@@ -42,8 +42,12 @@ def shared_expert_names(cfg: ModelConfig, layer: int) -> tuple[str, str, str, st
     if cfg.shared_expert_intermediate_size <= 0 or not cfg.sparse_layers[layer]:
         return None
     p = f"{_layer(layer)}.mlp"
-    return (f"{p}.shared_expert.gate_proj.weight", f"{p}.shared_expert.up_proj.weight",
-            f"{p}.shared_expert.down_proj.weight", f"{p}.shared_expert_gate.weight")
+    return (
+        f"{p}.shared_expert.gate_proj.weight",
+        f"{p}.shared_expert.up_proj.weight",
+        f"{p}.shared_expert.down_proj.weight",
+        f"{p}.shared_expert_gate.weight",
+    )
 
 
 def dense_mlp_names(cfg: ModelConfig, layer: int) -> tuple[str, str, str]:
@@ -65,8 +69,14 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out[f"{p}.input_layernorm.weight"] = (H,)
         out[f"{p}.post_attention_layernorm.weight"] = (H,)
         a = f"{p}.self_attn"
-        out.update({f"{a}.q_proj.weight": (q, H), f"{a}.k_proj.weight": (kv, H),
-                    f"{a}.v_proj.weight": (kv, H), f"{a}.o_proj.weight": (H, q)})
+        out.update(
+            {
+                f"{a}.q_proj.weight": (q, H),
+                f"{a}.k_proj.weight": (kv, H),
+                f"{a}.v_proj.weight": (kv, H),
+                f"{a}.o_proj.weight": (H, q),
+            }
+        )
         if cfg.qkv_bias:
             out.update({f"{a}.q_proj.bias": (q,), f"{a}.k_proj.bias": (kv,), f"{a}.v_proj.bias": (kv,)})
         if cfg.sparse_layers[i]:
@@ -92,8 +102,7 @@ def _fmt(shape) -> str:
 
 
 class Checkpoint:
-    def __init__(self, path: Path, config: ModelConfig, handles: dict[Path, object],
-                 locations: dict[str, Path]):
+    def __init__(self, path: Path, config: ModelConfig, handles: dict[Path, object], locations: dict[str, Path]):
         self.path = path
         self.config = config
         self._handles = handles  # one safe_open per file; mmapped, so cheap to keep open
@@ -101,7 +110,7 @@ class Checkpoint:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, path: str | Path) -> "Checkpoint":
+    def open(cls, path: str | Path) -> Checkpoint:
         path = Path(path).absolute()
         if not path.exists():
             raise CheckpointError(f"{path}: no such directory")
@@ -156,8 +165,9 @@ class Checkpoint:
             if name not in locations:
                 raise CheckpointError(f"{blame}: missing tensor {name}")
             if shapes[name] != want:
-                raise CheckpointError(f"{locations[name]}: tensor {name} has shape "
-                                      f"{_fmt(shapes[name])}, expected {_fmt(want)}")
+                raise CheckpointError(
+                    f"{locations[name]}: tensor {name} has shape {_fmt(shapes[name])}, expected {_fmt(want)}"
+                )
         return cls(path, cfg, handles, locations)
 
     def __contains__(self, name: str) -> bool:
@@ -187,7 +197,7 @@ class Checkpoint:
         with self._lock:
             self._handles.clear()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -10,9 +10,16 @@ from typing import Any
 import msgspec
 
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
-           "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
-           "float": "float32", "half": "float16"}
+_DTYPES = {
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "torch.float32": "float32",
+    "torch.bfloat16": "bfloat16",
+    "torch.float16": "float16",
+    "float": "float32",
+    "half": "float16",
+}
 
 
 class ConfigError(ValueError):
@@ -44,7 +51,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     dtype: str
 
     @classmethod
-    def from_hf(cls, path: str | Path) -> "ModelConfig":
+    def from_hf(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         try:
             raw = json.loads(path.read_text())
@@ -69,14 +76,13 @@ class ModelConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"{path}: malformed config ({type(e).__name__}: {e})") from None
 
     @classmethod
-    def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, c: dict[str, Any]) -> ModelConfig:
         """Errors here carry no file name; from_hf adds it."""
         archs = c.get("architectures") or []
         known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
         if not known:
             shown = archs[0] if len(archs) == 1 else (archs or c.get("model_type"))
-            raise ConfigError(f"unknown architecture {shown!r} "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
+            raise ConfigError(f"unknown architecture {shown!r} (supported: {', '.join(ARCHITECTURES)})")
         arch = known[0]
 
         rope = c.get("rope_parameters") or {}
@@ -110,8 +116,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
             shared = int(c.get("shared_expert_intermediate_size") or 0)
             dense = int(c["intermediate_size"])
             mlp_only, step = set(c.get("mlp_only_layers") or ()), int(c.get("decoder_sparse_step", 1))
-            sparse = tuple(i not in mlp_only and experts > 0 and (i + 1) % step == 0
-                           for i in range(layers))
+            sparse = tuple(i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(layers))
             qkv_bias = bool(c.get("qkv_bias", True))
 
         eos = c.get("eos_token_id")
@@ -122,17 +127,27 @@ class ModelConfig(msgspec.Struct, frozen=True):
         bos = c.get("bos_token_id")
 
         return cls(
-            architecture=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
-            num_layers=layers, num_heads=heads,
-            num_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=head_dim,
-            rms_norm_eps=float(c["rms_norm_eps"]), rope_theta=float(theta),
+            architecture=arch,
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(c["rms_norm_eps"]),
+            rope_theta=float(theta),
             max_position_embeddings=int(c["max_position_embeddings"]),
-            num_experts=experts, top_k=int(c["num_experts_per_tok"]),
-            moe_intermediate_size=moe_inter, norm_topk_prob=norm_topk,
-            shared_expert_intermediate_size=shared, dense_intermediate_size=dense,
-            sparse_layers=sparse, qkv_bias=qkv_bias,
+            num_experts=experts,
+            top_k=int(c["num_experts_per_tok"]),
+            moe_intermediate_size=moe_inter,
+            norm_topk_prob=norm_topk,
+            shared_expert_intermediate_size=shared,
+            dense_intermediate_size=dense,
+            sparse_layers=sparse,
+            qkv_bias=qkv_bias,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            eos_token_ids=eos, bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos,
+            bos_token_id=None if bos is None else int(bos),
             dtype=_DTYPES[dtype_raw],
         )
 

@@ -57,9 +57,15 @@ class DecodeGraphs:
 
     def _batch(self, b: int) -> ForwardBatch:
         return ForwardBatch(
-            input_ids=self.ids[:b], positions=self.pos[:b], token_slots=self.slots[:b], slots=self.slots[:b],
-            ctx_lens=self.ctx[:b], last_index=torch.arange(b, device=self.ids.device), q_lens=[1] * b,
-            ctx_lens_list=[], kv_len=self.kv.max_len,
+            input_ids=self.ids[:b],
+            positions=self.pos[:b],
+            token_slots=self.slots[:b],
+            slots=self.slots[:b],
+            ctx_lens=self.ctx[:b],
+            last_index=torch.arange(b, device=self.ids.device),
+            q_lens=[1] * b,
+            ctx_lens_list=[],
+            kv_len=self.kv.max_len,
         )
 
     def _segments(self, b: int):
@@ -74,7 +80,9 @@ class DecodeGraphs:
                     x = m.model.embed_tokens(batch.input_ids)
                 else:
                     moe = self.moes[k - 1]
-                    x = self.h[k - 1][:b] + moe.combine(self.n[k - 1][:b], layouts[k - 1], self.y[k - 1][: b * moe.top_k])
+                    x = self.h[k - 1][:b] + moe.combine(
+                        self.n[k - 1][:b], layouts[k - 1], self.y[k - 1][: b * moe.top_k]
+                    )
                 for i in range(bounds[k] + 1, bounds[k + 1] + (1 if k < len(self.cuts) else 0)):
                     h, n = blocks[i].attend(x, batch, self.kv)
                     if blocks[i].moe is not None:
@@ -84,6 +92,7 @@ class DecodeGraphs:
                         return
                     x = h + blocks[i].ffn(n)
                 self.logits[:b].copy_(m.lm_head(m.model.norm(x)).float())
+
             return run
 
         return [segment(k) for k in range(len(self.cuts) + 1)]

@@ -7,7 +7,8 @@ being prepared), which is what lets a running group prepare a scale-up while it 
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Protocol
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 import torch
 

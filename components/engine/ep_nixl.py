@@ -44,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import msgspec
 import torch
@@ -187,14 +187,20 @@ class NixlCommunicator:
     def _open_agent(self) -> None:
         nixl_agent, nixl_agent_config, _ = import_nixl()
         t0 = time.monotonic()
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"], enable_prog_thread=self._progress_thread))
+        self._agent = nixl_agent(
+            self.name, nixl_agent_config(backends=["UCX"], enable_prog_thread=self._progress_thread)
+        )
         if "UCX" not in self._agent.backends:
             raise EPError("NIXL UCX backend is not available (plugin missing)")
         self._reg = [self._agent.register_memory(self._recv), self._agent.register_memory(self._send)]
         self._metadata = None
         log.info(
             "%s: NIXL agent up in %.2fs, 2 x %d x %d B per region on %s, progress thread %s",
-            self.name, time.monotonic() - t0, self.max_ranks, self.capacity_bytes, self.device,
+            self.name,
+            time.monotonic() - t0,
+            self.max_ranks,
+            self.capacity_bytes,
+            self.device,
             "on" if self._progress_thread else "off",
         )
 
@@ -277,7 +283,9 @@ class NixlCommunicator:
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     raise EPError(f"rank {self.rank}: metadata for rank {r} is malformed: {e}") from e
                 if m.version != _PROTOCOL_VERSION:
-                    raise EPError(f"rank {self.rank}: rank {r} speaks protocol {m.version}, we speak {_PROTOCOL_VERSION}")
+                    raise EPError(
+                        f"rank {self.rank}: rank {r} speaks protocol {m.version}, we speak {_PROTOCOL_VERSION}"
+                    )
                 if m.rank != r:
                     raise EPError(f"rank {self.rank}: metadata given for rank {r} belongs to rank {m.rank}")
                 if m.capacity_bytes != self.capacity_bytes or m.max_ranks != self.max_ranks:
@@ -298,7 +306,9 @@ class NixlCommunicator:
                 if old is not None:
                     if old.agent_name == m.agent_name:
                         continue
-                    log.info("%s: rank %d changed agent %s -> %s; replacing", self.name, r, old.agent_name, m.agent_name)
+                    log.info(
+                        "%s: rank %d changed agent %s -> %s; replacing", self.name, r, old.agent_name, m.agent_name
+                    )
                     self._forget(r)
                 try:
                     loaded = load_peer(self._agent, m.agent_metadata, m.agent_name)
@@ -389,9 +399,13 @@ class NixlCommunicator:
             sizes: dict[int, int] = {}
             for dst, t in send.items():
                 if dst not in active:
-                    raise EPError(f"rank {self.rank}: all_to_all to rank {dst} ({t.numel()} bytes), which is not active {active}")
+                    raise EPError(
+                        f"rank {self.rank}: all_to_all to rank {dst} ({t.numel()} bytes), which is not active {active}"
+                    )
                 if t.dtype != torch.uint8 or t.dim() != 1:
-                    raise EPError(f"rank {self.rank}: payload for rank {dst} must be 1-D uint8, got {t.dtype} {tuple(t.shape)}")
+                    raise EPError(
+                        f"rank {self.rank}: payload for rank {dst} must be 1-D uint8, got {t.dtype} {tuple(t.shape)}"
+                    )
                 n = t.numel()
                 if n > cap:
                     raise EPError(f"rank {self.rank}: payload for rank {dst} is {n} bytes, over capacity_bytes={cap}")
@@ -468,7 +482,9 @@ class NixlCommunicator:
             except EPError:
                 raise
             except Exception as e:
-                raise EPError(f"rank {self.rank}: sending {n} bytes to rank {dst} failed (epoch {epoch} seq {seq}): {e}") from e
+                raise EPError(
+                    f"rank {self.rank}: sending {n} bytes to rank {dst} failed (epoch {epoch} seq {seq}): {e}"
+                ) from e
             if state == "ERR":
                 raise EPError(f"rank {self.rank}: WRITE of {n} bytes to rank {dst} failed (epoch {epoch} seq {seq})")
 
@@ -555,7 +571,7 @@ class NixlCommunicator:
             self._drop_agent()
             log.info("%s: closed", self.name)
 
-    def __enter__(self) -> "NixlCommunicator":
+    def __enter__(self) -> NixlCommunicator:
         return self
 
     def __exit__(self, *exc) -> None:

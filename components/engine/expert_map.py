@@ -10,7 +10,7 @@ replicas; tokens are spread over replicas deterministically by token index.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -65,18 +65,14 @@ def balanced_placement(
 class ExpertMap:
     """Device-side routing tables built from a Placement, updated in place."""
 
-    def __init__(
-        self, num_layers: int, num_experts: int, max_ranks: int, slots_per_rank: int, device="cpu"
-    ):
+    def __init__(self, num_layers: int, num_experts: int, max_ranks: int, slots_per_rank: int, device="cpu"):
         self.num_layers, self.num_experts = num_layers, num_experts
         self.max_ranks, self.slots_per_rank = max_ranks, slots_per_rank
         total = max_ranks * slots_per_rank
         # A logical expert can have at most one replica per physical slot.
         self.max_replicas = total
         self.slot_to_expert = torch.full((num_layers, total), -1, dtype=torch.int32, device=device)
-        self.replica_slots = torch.zeros(
-            (num_layers, num_experts, self.max_replicas), dtype=torch.int64, device=device
-        )
+        self.replica_slots = torch.zeros((num_layers, num_experts, self.max_replicas), dtype=torch.int64, device=device)
         # Until a placement is installed every expert routes to slot 0: decode graphs are captured
         # before the first placement and must index in bounds (a modulo by zero would not).
         self.num_replicas = torch.ones((num_layers, num_experts), dtype=torch.int64, device=device)
@@ -119,8 +115,9 @@ def _hot_order(num_experts: int, load: Sequence[int] | None) -> list[int]:
     return sorted(range(num_experts), key=lambda e: (-load[e], e))
 
 
-def grow(current: Placement, new_ranks: Sequence[int], num_experts: int,
-         load: Sequence[Sequence[int]] | None = None) -> Placement:
+def grow(
+    current: Placement, new_ranks: Sequence[int], num_experts: int, load: Sequence[Sequence[int]] | None = None
+) -> Placement:
     """Scale-up target: every slot that serves now keeps its expert (so retained ranks move no
     weights and their graphs stay valid); the joiners' slots get replicas, hottest experts first."""
     S = current.slots_per_rank
@@ -160,16 +157,17 @@ def shrink(current: Placement, leaving: Sequence[int], num_experts: int) -> Plac
         spare = [s for s in spare if s // S in serving]
         missing = [e for e in range(num_experts) if e not in kept]
         if len(missing) > len(spare):
-            raise ValueError(f"layer {layer}: {len(missing)} experts would be left without a slot; "
-                             f"the remaining ranks have {len(spare)} free slots (raise Worker.min_ranks' slots)")
+            raise ValueError(
+                f"layer {layer}: {len(missing)} experts would be left without a slot; "
+                f"the remaining ranks have {len(spare)} free slots (raise Worker.min_ranks' slots)"
+            )
         for e, slot in zip(missing, spare):
             row[slot] = e
         rows.append(row)
     return Placement(slots_per_rank=S, slots=rows)
 
 
-def rebalance(current: Placement, active: Sequence[int], num_experts: int,
-              load: Sequence[Sequence[int]]) -> Placement:
+def rebalance(current: Placement, active: Sequence[int], num_experts: int, load: Sequence[Sequence[int]]) -> Placement:
     """EPLB: give each expert replicas in proportion to its load (at least one), keeping every
     slot whose expert still has a replica to fill, so as few slots as possible change."""
     S = current.slots_per_rank
@@ -198,8 +196,12 @@ def rebalance(current: Placement, active: Sequence[int], num_experts: int,
 
 def changed_slots(current: Placement, target: Placement) -> list[tuple[int, int]]:
     """(layer, slot) whose expert differs and must be filled before `target` serves."""
-    return [(layer, slot) for layer, (a, b) in enumerate(zip(current.slots, target.slots))
-            for slot, (x, y) in enumerate(zip(a, b)) if x != y and y >= 0]
+    return [
+        (layer, slot)
+        for layer, (a, b) in enumerate(zip(current.slots, target.slots))
+        for slot, (x, y) in enumerate(zip(a, b))
+        if x != y and y >= 0
+    ]
 
 
 def interim(current: Placement, target: Placement) -> Placement:

@@ -46,8 +46,7 @@ class MoETransformer(nn.Module):
 
     def dummy_step(self) -> None:
         """Take part in every MoE collective with no tokens of our own (an idle rank)."""
-        x = torch.zeros(0, self.cfg.hidden_size, dtype=self.lm_head.weight.dtype,
-                        device=self.lm_head.weight.device)
+        x = torch.zeros(0, self.cfg.hidden_size, dtype=self.lm_head.weight.dtype, device=self.lm_head.weight.device)
         for _, moe in self.moe_layers:
             moe(x)
 

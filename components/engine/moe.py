@@ -68,8 +68,9 @@ def _unpack(buf: torch.Tensor, hidden: int, dtype: torch.dtype, src: int) -> tup
     row = hidden * dtype.itemsize
     n, rest = divmod(buf.numel(), row + 4)
     if rest:  # a torn or mismatched collective; garbage slot indices would follow
-        raise RuntimeError(f"EP dispatch from rank {src}: {buf.numel()} bytes is not a whole number of "
-                           f"{row + 4}-byte rows")
+        raise RuntimeError(
+            f"EP dispatch from rank {src}: {buf.numel()} bytes is not a whole number of {row + 4}-byte rows"
+        )
     return buf[: n * row].view(dtype).view(n, hidden), buf[n * row :].view(torch.int32)
 
 
@@ -116,8 +117,11 @@ class SparseMoE(nn.Module):
         padded batch; padding rows are routed but neither sent nor counted as load."""
         T, k, S, R = x.shape[0], self.top_k, self.ep.slots_per_rank, self.ep.map.max_ranks
         weights, experts = self.route(x)
-        pair_valid = (valid.unsqueeze(1).expand(T, k).flatten() if valid is not None
-                      else torch.ones(T * k, dtype=torch.bool, device=x.device))
+        pair_valid = (
+            valid.unsqueeze(1).expand(T, k).flatten()
+            if valid is not None
+            else torch.ones(T * k, dtype=torch.bool, device=x.device)
+        )
         self.load.index_add_(0, experts.flatten(), pair_valid.to(torch.int64))
         slots = self.ep.map.route(self.layer, experts).flatten()
         dest = slots // S
@@ -134,8 +138,10 @@ class SparseMoE(nn.Module):
         comm, R = self.ep.comm, self.ep.map.max_ranks
         counts = d.counts.tolist()
         if counts[R] and not self.ep.masked_warmup:
-            raise RuntimeError(f"layer {self.layer}: expert map routes {counts[R]} (token, expert) pairs to ranks "
-                               f"outside the active set {list(comm.active)}")
+            raise RuntimeError(
+                f"layer {self.layer}: expert map routes {counts[R]} (token, expert) pairs to ranks "
+                f"outside the active set {list(comm.active)}"
+            )
         sends, starts, off = {}, {}, 0
         for r in range(R):
             if counts[r]:

@@ -16,11 +16,11 @@ class PeerMetadataError(RuntimeError):
 def import_nixl():
     """(nixl_agent, nixl_agent_config, bindings) from the wheel installed."""
     try:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
         import nixl_cu13._bindings as bindings
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
     except ImportError:  # other wheel flavours expose the same API under `nixl`
-        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
         import nixl._bindings as bindings  # type: ignore
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
     return nixl_agent, nixl_agent_config, bindings
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import queue
 import secrets
-import time
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
 
 import msgspec
 import torch
@@ -44,7 +44,7 @@ class RankConfig(msgspec.Struct, frozen=True):
     device: str = "cpu"
     dtype: str = ""  # "" = the checkpoint's dtype
     max_seqs: int = 16
-    max_len: int = 1024
+    max_len: int = 0  # 0 = the model's context length, capped by memory (context_length)
     max_batched_tokens: int = 256
     min_ranks: int = 1  # fewest active ranks that must hold every expert: sizes the expert slots
     redundant_experts: int = 0
@@ -52,6 +52,48 @@ class RankConfig(msgspec.Struct, frozen=True):
     idle_wait_s: float = 0.002
     ep_timeout_s: float = 30.0
     vmm: bool = False  # CUDA: weights, expert slots and KV in one VMM arena (release_memory/restore_memory)
+
+
+# The share of the memory free at start a default-sized KV cache may take. Ranks can share a GPU,
+# and weights pulled later land in the same memory, so it stays well below what vLLM takes alone.
+KV_MEMORY_FRACTION = 0.25
+
+
+def context_length(requested: int, mc, max_seqs: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The longest sequence a rank serves: `requested`, or (0) the model's own context length, as
+    vLLM defaults it, capped so that the KV cache of `max_seqs` sequences fits in memory."""
+    positions = mc.max_position_embeddings
+    if requested:
+        if requested > positions:
+            raise ValueError(f"max_len {requested} exceeds the model's {positions} positions")
+        return requested
+    per_token = 2 * mc.num_layers * (max_seqs + 1) * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    fit = int(_free_memory(device) * KV_MEMORY_FRACTION) // per_token
+    if fit >= positions:
+        return positions
+    length = fit // 256 * 256
+    if length < 256:
+        raise ValueError(
+            f"the KV cache of {max_seqs} sequences does not fit in {device.type} memory even at "
+            f"256 tokens each: lower Worker.max_seqs or set Worker.max_len"
+        )
+    log.warning(
+        "max_len %d instead of the model's %d positions: a KV cache of %d sequences that long needs "
+        "%.1f GB (set Worker.max_len or lower Worker.max_seqs to choose)",
+        length,
+        positions,
+        max_seqs,
+        per_token * positions / 1e9,
+    )
+    return length
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -76,8 +118,7 @@ def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, timeout_s: float =
 
 
 class EngineRank:
-    def __init__(self, cfg: RankConfig, model_dir: str, comm: EPCommunicator | None = None,
-                 load_weights: bool = True):
+    def __init__(self, cfg: RankConfig, model_dir: str, comm: EPCommunicator | None = None, load_weights: bool = True):
         self.cfg = cfg
         self.ckpt = Checkpoint.open(model_dir)
         mc = self.model_config = self.ckpt.config
@@ -89,20 +130,20 @@ class EngineRank:
             # Graph capture and replay, streams and syncs without a device argument use the
             # thread's current device; the loop thread sets it too.
             torch.cuda.set_device(self.device)
-        if cfg.max_len > mc.max_position_embeddings:
-            raise ValueError(f"max_len {cfg.max_len} exceeds the model's {mc.max_position_embeddings} positions")
+        self.max_len = context_length(cfg.max_len, mc, cfg.max_seqs, self.dtype, self.device)
         self.slots_per_rank = min(mc.num_experts, slots_needed(mc.num_experts, cfg.min_ranks, cfg.redundant_experts))
         # The largest message of a step: every token's top-k rows to one peer (row + int32 slot).
         row = mc.hidden_size * self.dtype.itemsize + 4
         capacity = max(64, cfg.max_batched_tokens * mc.top_k * row)
         self.comm = comm or nixl_comm(cfg.rank, cfg.max_ranks, capacity, cfg.ep_timeout_s)
         self.expert_map = ExpertMap(mc.num_layers, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
-        self.model = build_model(mc, ExpertParallel(self.comm, self.expert_map), cfg.max_len, self.dtype, self.device)
+        self.model = build_model(mc, ExpertParallel(self.comm, self.expert_map), self.max_len, self.dtype, self.device)
         if load_weights:  # a joiner leaves them empty and pulls them from peers instead
             self.model.load_dense(self.ckpt)
         # One slot beyond max_seqs: the scratch slot padded graph rows write into.
-        self.kv = KVCache(mc.num_layers, cfg.max_seqs + 1, cfg.max_len, mc.num_kv_heads, mc.head_dim,
-                          self.dtype, self.device)
+        self.kv = KVCache(
+            mc.num_layers, cfg.max_seqs + 1, self.max_len, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+        )
         self.arena = None  # VmmArena holding params, expert slots and KV when cfg.vmm on CUDA
         if cfg.vmm and self.device.type == "cuda":
             from components.engine.vmm import place_engine_memory
@@ -114,7 +155,7 @@ class EngineRank:
             from components.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs)
-        self.sched = Scheduler(cfg.max_seqs, cfg.max_len, cfg.max_batched_tokens, mc.eos_token_ids)
+        self.sched = Scheduler(cfg.max_seqs, self.max_len, cfg.max_batched_tokens, mc.eos_token_ids)
         self.epoch = 0
         self.steps = 0  # forward steps taken (dummy steps included)
         self.requests_total = 0  # requests accepted by this rank
@@ -159,11 +200,16 @@ class EngineRank:
                 t = torch.full((b * n,), 1, dtype=torch.int64, device=self.device)
                 pos = torch.arange(n, device=self.device).repeat(b)
                 batch = ForwardBatch(
-                    input_ids=t, positions=pos, token_slots=torch.full_like(t, scratch),
+                    input_ids=t,
+                    positions=pos,
+                    token_slots=torch.full_like(t, scratch),
                     slots=torch.full((b,), scratch, dtype=torch.int64, device=self.device),
                     ctx_lens=torch.full((b,), n, dtype=torch.int64, device=self.device),
                     last_index=torch.arange(n - 1, b * n, n, device=self.device),
-                    q_lens=[n] * b, ctx_lens_list=[n] * b, kv_len=n)
+                    q_lens=[n] * b,
+                    ctx_lens_list=[n] * b,
+                    kv_len=n,
+                )
                 if self.graphs is not None and self.graphs.fits(batch):
                     self.graphs.run(batch)
                 else:
@@ -227,14 +273,17 @@ class EngineRank:
         if self._thread:
             self._thread.join(timeout=grace_s)
             if self._thread.is_alive():
-                log.warning("rank %d: step loop still in a collective at shutdown (a peer is gone); "
-                            "leaving it to the process exit", self.cfg.rank)
+                log.warning(
+                    "rank %d: step loop still in a collective at shutdown (a peer is gone); "
+                    "leaving it to the process exit",
+                    self.cfg.rank,
+                )
                 return
         self.comm.close()
 
     # ---- requests (any thread) -----------------------------------------------------------------
     def validate(self, req: GenerateRequest) -> None:
-        n, L, V = len(req.prompt), self.cfg.max_len, self.model_config.vocab_size
+        n, L, V = len(req.prompt), self.max_len, self.model_config.vocab_size
         if n == 0:
             raise RequestError("the prompt is empty")
         if req.max_tokens < 1:
@@ -242,7 +291,8 @@ class EngineRank:
         if n + req.max_tokens > L:
             raise RequestError(
                 f"this model's context is {L} tokens; the prompt has {n} and max_tokens is "
-                f"{req.max_tokens} ({n + req.max_tokens} in all)")
+                f"{req.max_tokens} ({n + req.max_tokens} in all)"
+            )
         bad = [t for t in req.prompt if not 0 <= t < V]
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (size {V})")

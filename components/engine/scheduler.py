@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -44,6 +44,7 @@ class Scheduler:
     def __init__(self, max_seqs: int, max_len: int, max_batched_tokens: int, eos_token_ids):
         self.max_len, self.budget = max_len, max_batched_tokens
         self.eos = set(eos_token_ids)
+        self.max_seqs = max_seqs
         self.free_slots = list(range(max_seqs))[::-1]
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -51,6 +52,11 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    @property
+    def slots_used(self) -> int:
+        """KV cache slots held by sequences."""
+        return self.max_seqs - len(self.free_slots)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -87,9 +93,15 @@ class Scheduler:
             return torch.tensor(v, dtype=torch.int64, device=device)
 
         return ForwardBatch(
-            input_ids=t(ids), positions=t(pos), token_slots=t(tslots),
-            slots=t([s.slot for s, _ in work]), ctx_lens=t(ctx), last_index=t(last),
-            q_lens=[n for _, n in work], ctx_lens_list=ctx, kv_len=graph_len or max(ctx),
+            input_ids=t(ids),
+            positions=t(pos),
+            token_slots=t(tslots),
+            slots=t([s.slot for s, _ in work]),
+            ctx_lens=t(ctx),
+            last_index=t(last),
+            q_lens=[n for _, n in work],
+            ctx_lens_list=ctx,
+            kv_len=graph_len or max(ctx),
         )
 
     def update(self, work: list[tuple[Sequence, int]], next_tokens: list[int | None]) -> None:
@@ -104,9 +116,14 @@ class Scheduler:
                 if tok != want and not seq.replay_diverged:
                     seq.replay_diverged = True
                     self.replays_diverged += 1
-                    log.warning("request %s: replay after a handover sampled %d where the first rank had %d "
-                                "(position %d); the stream keeps the first rank's tokens", seq.req.request_id,
-                                tok, want, seq.num_computed)
+                    log.warning(
+                        "request %s: replay after a handover sampled %d where the first rank had %d "
+                        "(position %d); the stream keeps the first rank's tokens",
+                        seq.req.request_id,
+                        tok,
+                        want,
+                        seq.num_computed,
+                    )
                 continue
             seq.tokens.append(tok)
             seq.generated.append(tok)

@@ -33,7 +33,7 @@ import os
 import socket
 import struct
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 import torch
@@ -96,8 +96,13 @@ class _Raw:
     """A bare __cuda_array_interface__ so torch can wrap the range (torch keeps it alive)."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 class VmmArena:
@@ -128,15 +133,36 @@ class VmmArena:
         prop.location.id = self.device.index
         posix_fd = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         dev = _check(d, "cuDeviceGet", d.cuDeviceGet(self.device.index))
-        self.shareable = bool(_check(d, "cuDeviceGetAttribute", d.cuDeviceGetAttribute(
-            d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev)))
+        self.shareable = bool(
+            _check(
+                d,
+                "cuDeviceGetAttribute",
+                d.cuDeviceGetAttribute(
+                    d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev
+                ),
+            )
+        )
         if self.shareable:  # exportable to same-node peers (VmmExporter)
             prop.requestedHandleTypes = posix_fd
         self._prop = prop
-        gran = int(_check(d, "cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity(
-            prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
-        mini = int(_check(d, "cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity(
-            prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        gran = int(
+            _check(
+                d,
+                "cuMemGetAllocationGranularity",
+                d.cuMemGetAllocationGranularity(
+                    prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+                ),
+            )
+        )
+        mini = int(
+            _check(
+                d,
+                "cuMemGetAllocationGranularity",
+                d.cuMemGetAllocationGranularity(
+                    prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                ),
+            )
+        )
         self.granularity = max(gran, mini)
         self._nbytes = _round_up(int(nbytes), self.granularity)
         chunk = self._nbytes if not chunk_bytes else _round_up(min(int(chunk_bytes), self._nbytes), self.granularity)
@@ -182,8 +208,10 @@ class VmmArena:
         errors = []
         while self._handles:
             off, size, h = self._handles.pop()
-            for call, res in (("cuMemUnmap", d.cuMemUnmap(d.CUdeviceptr(self.ptr + off), size)),
-                              ("cuMemRelease", d.cuMemRelease(h))):
+            for call, res in (
+                ("cuMemUnmap", d.cuMemUnmap(d.CUdeviceptr(self.ptr + off), size)),
+                ("cuMemRelease", d.cuMemRelease(h)),
+            ):
                 try:
                     _check(d, call, res)
                 except VmmError as e:
@@ -292,8 +320,10 @@ class VmmArena:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("mapped" if self.mapped else "released")
-        return (f"VmmArena({self.device}, {self._nbytes / 2**20:.1f} MiB reserved at {self.ptr:#x}, "
-                f"{self._offset / 2**20:.1f} MiB used, {len(self._chunks)} chunk(s), {state})")
+        return (
+            f"VmmArena({self.device}, {self._nbytes / 2**20:.1f} MiB reserved at {self.ptr:#x}, "
+            f"{self._offset / 2**20:.1f} MiB used, {len(self._chunks)} chunk(s), {state})"
+        )
 
 
 _layout_encoder = msgspec.msgpack.Encoder()
@@ -321,11 +351,12 @@ class VmmExporter:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             with conn:
-                _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                 struct.calcsize("3i")))
+                _, uid, _ = struct.unpack(
+                    "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                )
                 if uid != os.getuid():
                     log.warning("%s: refused a process of uid %d", self.address, uid)
                     continue
@@ -335,8 +366,9 @@ class VmmExporter:
                     log.warning("%s: export failed: %s", self.address, e)
                     continue
                 try:
-                    socket.send_fds(conn, [_layout_encoder.encode([(o, n) for o, n, _ in chunks])],
-                                    [fd for _, _, fd in chunks])
+                    socket.send_fds(
+                        conn, [_layout_encoder.encode([(o, n) for o, n, _ in chunks])], [fd for _, _, fd in chunks]
+                    )
                 except OSError as e:
                     log.warning("%s: sending the descriptors failed: %s", self.address, e)
                 finally:
@@ -425,8 +457,7 @@ def place_engine_memory(model, kv, device=None, chunk_bytes: int | None = None) 
     slot buffer (re-registered under the same name) and the KV cache (k/v lists) of `model`/`kv`
     into one new arena, keeping their values (KV zeroed). Call before capturing CUDA graphs."""
     dev = _cuda_device(device if device is not None else model.lm_head.weight.device)
-    arena = VmmArena(plan_bytes((t.shape, t.dtype) for t in engine_tensors(model, kv)), dev,
-                     chunk_bytes=chunk_bytes)
+    arena = VmmArena(plan_bytes((t.shape, t.dtype) for t in engine_tensors(model, kv)), dev, chunk_bytes=chunk_bytes)
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.data = arena.alloc_like(p.data)

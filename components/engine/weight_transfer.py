@@ -42,8 +42,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
 
 import msgspec
 import torch
@@ -128,8 +128,11 @@ def _ipc_regions(storages: list) -> list[IpcRegion]:
         except Exception as e:
             log.info("CUDA IPC unavailable for a region at 0x%x (%s); NIXL serves it", st.data_ptr(), e)
             continue
-        out.append(IpcRegion(st.data_ptr(), st.nbytes(), dev, handle, size, offset, rc_handle, rc_offset,
-                             ev or b"", bool(ev_sync)))
+        out.append(
+            IpcRegion(
+                st.data_ptr(), st.nbytes(), dev, handle, size, offset, rc_handle, rc_offset, ev or b"", bool(ev_sync)
+            )
+        )
     return out
 
 
@@ -256,9 +259,7 @@ def checksums(ts: Iterable[torch.Tensor]) -> list[int]:
 # ---------------------------------------------------------------------------------------- planning
 
 
-def spread(
-    names: list[str], sources: list[int], sizes: Mapping[str, int] | None = None
-) -> list[PullItem]:
+def spread(names: list[str], sources: list[int], sizes: Mapping[str, int] | None = None) -> list[PullItem]:
     """Assign each tensor to one source, largest first to the least-loaded source, so a joiner
     reads non-expert weights from every serving peer at once. `sizes` (name -> bytes, e.g. from a
     manifest) balances bytes; without it every tensor counts the same. Deterministic: ties go to
@@ -355,8 +356,9 @@ class WeightStore:
         # Exported on the first manifest only: a process whose memory was exported for CUDA IPC
         # (or that opened another's) cannot be checkpointed, so only serving sources pay that.
         in_arena = (lambda b: arena.ptr <= b < arena.ptr + arena.nbytes) if arena is not None else (lambda b: False)
-        self._storages = ([storages[b] for b, _ in self._regions if not in_arena(b)]
-                          if self.device.type == "cuda" else [])
+        self._storages = (
+            [storages[b] for b, _ in self._regions if not in_arena(b)] if self.device.type == "cuda" else []
+        )
         self._ipc: list[IpcRegion] | None = None
         # (source agent, region base) -> (its bytes, the VmmImport to close or None)
         self._opened: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}
@@ -389,8 +391,12 @@ class WeightStore:
             )
         log.info(
             "%s: NIXL agent up in %.2fs, %d tensors in %d regions (%.1f MiB) on %s",
-            self.name, time.monotonic() - t0, len(self.tensors), len(self._regions),
-            sum(n for _, n in self._regions) / 2**20, self.device,
+            self.name,
+            time.monotonic() - t0,
+            len(self.tensors),
+            len(self._regions),
+            sum(n for _, n in self._regions) / 2**20,
+            self.device,
         )
 
     # ------------------------------------------------------------------ source side
@@ -431,8 +437,9 @@ class WeightStore:
                     self._vmm = [VmmRegion(self._arena.ptr, self._arena.nbytes, self._exporter.address)]
                 except (VmmError, OSError) as e:
                     log.info("%s: the VMM arena cannot be lent (%s); NIXL serves it", self.name, e)
-        return WeightManifest(self.rank, self.name, meta, self.mem_type, self.dev_id, descs, self.node, self._ipc,
-                              self._vmm)
+        return WeightManifest(
+            self.rank, self.name, meta, self.mem_type, self.dev_id, descs, self.node, self._ipc, self._vmm
+        )
 
     def start_serving(self) -> None:
         with self._lock:
@@ -473,7 +480,9 @@ class WeightStore:
                     log.warning("%s: dropping notification %s sent by agent %s", self.name, m, agent_name)
                     continue
                 self._done.append(m)
-                log.info("%s: rank %d finished pulling %d tensors (%d B, ok=%s)", self.name, m.rank, m.tensors, m.bytes, m.ok)
+                log.info(
+                    "%s: rank %d finished pulling %d tensors (%d B, ok=%s)", self.name, m.rank, m.tensors, m.bytes, m.ok
+                )
 
     def pulls_done(self) -> list[PullDone]:
         """Completion notifications received so far (drained)."""
@@ -543,8 +552,9 @@ class WeightStore:
                 t_copied = time.monotonic()
                 self._close_opened()
                 t_unmapped = time.monotonic()
-            xfers = self._run({r: xs for r, xs in plan.items() if r not in direct}, sources, deadline, total,
-                              progress, timeout_s)
+            xfers = self._run(
+                {r: xs for r, xs in plan.items() if r not in direct}, sources, deadline, total, progress, timeout_s
+            )
             t_verify = time.monotonic()
             bad = self._verify([x for xs in plan.values() for x in xs])
             t_end = time.monotonic()
@@ -553,7 +563,11 @@ class WeightStore:
             self._release(xfers)
             if bad:
                 it, desc, got = bad[0]
-                more = f" ({len(bad) - 1} more tensors also differ: {', '.join(b[0].dst_name for b in bad[1:4])})" if len(bad) > 1 else ""
+                more = (
+                    f" ({len(bad) - 1} more tensors also differ: {', '.join(b[0].dst_name for b in bad[1:4])})"
+                    if len(bad) > 1
+                    else ""
+                )
                 raise WeightTransferError(
                     f"tensor {it.src_name} from rank {it.src_rank}: checksum mismatch after READ into "
                     f"{it.dst_name} on rank {self.rank} (source {desc.checksum}, got {got}){more}"
@@ -570,8 +584,14 @@ class WeightStore:
             )
             log.info(
                 "%s: pulled %d tensors, %.1f MiB from ranks %s in %.3fs (%.2f GB/s; transfer %.3fs, verify %.3fs)",
-                self.name, stats.tensors, total / 2**20, sorted(per_source), stats.seconds, stats.gbps,
-                stats.transfer_seconds, stats.verify_seconds,
+                self.name,
+                stats.tensors,
+                total / 2**20,
+                sorted(per_source),
+                stats.seconds,
+                stats.gbps,
+                stats.transfer_seconds,
+                stats.verify_seconds,
             )
             return stats
 
@@ -589,16 +609,17 @@ class WeightStore:
         ranges: list[tuple[int, int, str]] = []
         for it in items:
             if it.src_rank not in index:
-                raise WeightTransferError(f"tensor {it.src_name} from rank {it.src_rank}: no manifest for rank {it.src_rank}")
+                raise WeightTransferError(
+                    f"tensor {it.src_name} from rank {it.src_rank}: no manifest for rank {it.src_rank}"
+                )
             desc = index[it.src_rank].get(it.src_name)
             if desc is None:
-                raise WeightTransferError(
-                    f"tensor {it.src_name} from rank {it.src_rank}: not in that rank's manifest"
-                )
+                raise WeightTransferError(f"tensor {it.src_name} from rank {it.src_rank}: not in that rank's manifest")
             dst = self.tensors.get(it.dst_name)
             if dst is None:
                 raise WeightTransferError(
-                    f"tensor {it.src_name} from rank {it.src_rank}: rank {self.rank} has no destination tensor {it.dst_name!r}"
+                    f"tensor {it.src_name} from rank {it.src_rank}: "
+                    f"rank {self.rank} has no destination tensor {it.dst_name!r}"
                 )
             if it.dst_name in seen_dst:
                 raise WeightTransferError(f"tensor {it.dst_name}: destination listed twice in one pull")
@@ -659,8 +680,9 @@ class WeightStore:
             return None
         return pairs
 
-    def _copy_ipc(self, direct: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
-                  plan: dict[int, list[_Xfer]]) -> None:
+    def _copy_ipc(
+        self, direct: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], plan: dict[int, list[_Xfer]]
+    ) -> None:
         for r, pairs in direct.items():
             for dst, src in pairs:
                 dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
@@ -681,11 +703,21 @@ class WeightStore:
                     raise WeightTransferError(f"{g.address} lent {imp.nbytes} bytes, the manifest says {g.nbytes}")
                 self._opened[key] = (imp.tensor, imp)
             else:
-                st = torch.UntypedStorage._new_shared_cuda(g.device, g.handle, g.size, g.offset, g.ref_counter_handle,
-                                                           g.ref_counter_offset, g.event_handle or None,
-                                                           g.event_sync_required)
+                st = torch.UntypedStorage._new_shared_cuda(
+                    g.device,
+                    g.handle,
+                    g.size,
+                    g.offset,
+                    g.ref_counter_handle,
+                    g.ref_counter_offset,
+                    g.event_handle or None,
+                    g.event_sync_required,
+                )
                 # On the source's GPU, which may be another one of this node's: the copy then goes peer to peer.
-                self._opened[key] = (torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", g.device)).set_(st), None)
+                self._opened[key] = (
+                    torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", g.device)).set_(st),
+                    None,
+                )
         return self._opened[key][0]
 
     def _close_opened(self, agent: str | None = None) -> None:
@@ -814,7 +846,9 @@ class WeightStore:
         """Tell each source we no longer read from it; ok=False if its data did not verify."""
         for r, xs in plan.items():
             msg = _done_encoder.encode(
-                PullDone(self.rank, self.name, sum(len(x.items) for x in xs), sum(x.nbytes for x in xs), r not in bad_src)
+                PullDone(
+                    self.rank, self.name, sum(len(x.items) for x in xs), sum(x.nbytes for x in xs), r not in bad_src
+                )
             )
             try:
                 with self._lock:
@@ -875,7 +909,7 @@ class WeightStore:
             del agent
             log.info("%s: closed", self.name)
 
-    def __enter__(self) -> "WeightStore":
+    def __enter__(self) -> WeightStore:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -40,15 +40,32 @@ def make_tiny_model_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     vocab = tok.get_vocab_size()
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast",
-    }))
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
-        "bos_token_id": 0, "eos_token_id": 1, "max_position_embeddings": 4096,
-        "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 4096,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": vocab,
+                "bos_token_id": 0,
+                "eos_token_id": 1,
+                "max_position_embeddings": 4096,
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+            }
+        )
+    )
     return path
 
 
@@ -105,7 +122,11 @@ async def serve() -> None:
     try:
         ep = rt.endpoint(f"{ctx.namespace}.echo.generate")
         await register_model(
-            ModelInput.Tokens, ModelType.Chat | ModelType.Completions, ep, model_dir, cfg.model_name,
+            ModelInput.Tokens,
+            ModelType.Chat | ModelType.Completions,
+            ep,
+            model_dir,
+            cfg.model_name,
             worker_type=WorkerType.Aggregated,
         )
         log.info("rank %s serving model %r from %s", rank, cfg.model_name, model_dir)
