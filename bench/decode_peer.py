@@ -23,7 +23,7 @@ import torch
 
 from components.engine.rank import EngineRank, RankConfig
 from components.engine.request import GenerateRequest
-from tests.peers import wait_for, write
+from harness.peers import wait_for, write
 
 
 def main() -> None:

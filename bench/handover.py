@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tests.reference import generate, single_rank
+from harness.reference import generate, single_rank
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.server import Server, Traffic
+from harness.server import Server, Traffic
 
 
 def gpu_memory() -> dict[int, int]:
@@ -69,7 +69,7 @@ PROMPTS = [[5 + k, 17, 42, 99] for k in range(50)]
 
 
 class Load(Traffic):
-    """Streaming clients (tests.server.Traffic) with every chunk's arrival time kept, for token
+    """Streaming clients (harness.server.Traffic) with every chunk's arrival time kept, for token
     rates and decode-step gaps."""
 
     def __init__(self, srv: Server, clients: int, max_tokens: int):

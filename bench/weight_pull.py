@@ -3,7 +3,7 @@ GPU peers, by CUDA IPC (torch allocations) and by mapping the sources' VMM arena
 device copy of the same bytes along the same path (on this GPU, or from the sources' GPU to this
 one with --src-device).
 
-Sources are real processes (`tests.weight_peer`); every pull is checksum-verified, so the
+Sources are real processes (`harness.weight_peer`); every pull is checksum-verified, so the
 end-to-end column includes verification and the transfer column does not."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from components.engine.weight_transfer import PullItem, WeightStore, spread
-from tests.test_weight_transfer import NON_EXPERT, Sources
-from tests.weight_peer import make_weights
+from components.engine.weight_transfer import WeightStore
+from components.protocol.transfer import PullItem, spread
+from harness.weight_peer import NON_EXPERT, Sources, make_weights
 
 
 def device_copy_gbps(nbytes: int, device: str, src_device: str) -> float:

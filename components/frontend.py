@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from components.component import Component, component_config, load_context
+from components.graph.component import Component, component_config, load_context
 
 log = logging.getLogger("components.frontend")
 
@@ -59,7 +59,7 @@ def _router_mode(name: str):  # -> dynamo.llm.RouterMode
 async def serve(cfg: FrontendConfig) -> None:
     from dynamo.llm import EngineType, EntrypointArgs, RouterConfig, make_engine, run_input
 
-    from components.runtime import make_runtime
+    from components.graph.runtime import make_runtime
 
     ctx, _ = load_context()
     loop = asyncio.get_running_loop()

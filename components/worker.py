@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from components.component import (
+from components.graph.component import (
     EXIT_CANNOT_START,
     Component,
     GraphContext,
@@ -29,7 +29,8 @@ from components.component import (
     component_config,
     load_context,
 )
-from components.control import (
+from components.protocol.lifecycle import Lifecycle, RankState
+from components.protocol.messages import (
     Configure,
     Connect,
     ControlReply,
@@ -51,7 +52,6 @@ from components.control import (
     decode_request,
     encode,
 )
-from components.lifecycle import Lifecycle, RankState
 
 log = logging.getLogger("components.worker")
 
@@ -492,7 +492,7 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
 async def serve(rank: int, join: bool, snapshot: str) -> None:
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
 
-    from components.runtime import make_runtime
+    from components.graph.runtime import make_runtime
 
     ctx, _ = load_context()
     cfg = component_config(Worker.Config)

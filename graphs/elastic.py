@@ -4,9 +4,9 @@ Frontend (Dynamo's OpenAI HTTP service) -> Router (topology authority, control A
 ranks (one process per DP/EP rank). The Planner reads the frontend's and the router's metrics and
 scales through the router's API (`--Planner.enabled=false` for manual scaling only)."""
 
+from components.control.router import Router
 from components.frontend import Frontend
-from components.planner import Planner
-from components.router import Router
+from components.planner.service import Planner
 from components.worker import Worker
 
 Frontend.link(Router).link(Worker)

@@ -91,8 +91,8 @@ def target_for(model_dir: str | os.PathLike | None, cfg=None, **fields) -> Snaps
     import torch
 
     from components.engine.checkpoint import Checkpoint
-    from components.engine.expert_map import slots_needed
     from components.engine.rank import DTYPES, context_length
+    from components.protocol.placement import slots_needed
 
     if cfg is None:
         cfg = rank_config(**fields)

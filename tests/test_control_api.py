@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from components.router import Router, RouterService
+from components.control.router import Router, RouterService
 from components.worker import Worker
 
 AUTH = {"Authorization": "Bearer s3cret"}

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tests.server import Server, engine_reference, scale
-from tests.server import Traffic as _Traffic
+from harness.server import Server, engine_reference, scale
+from harness.server import Traffic as _Traffic
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from components.engine.request import GenerateRequest, RequestError
-from tests.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
+from harness.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 
 MAX_NEW = 10
 ARCHS = ["mixtral", "qwen2_moe"]
@@ -69,7 +69,7 @@ def test_single_rank_matches_transformers(model, device):
 def run_peers(tmp_path, plan) -> list[list[dict]]:
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.engine_peer", "--rank", str(r), "--dir", str(tmp_path)])
+        subprocess.Popen([sys.executable, "-m", "harness.engine_peer", "--rank", str(r), "--dir", str(tmp_path)])
         for r in range(plan["world"])
     ]
     try:
@@ -144,7 +144,7 @@ def test_dispatch_follows_the_device_ep_mask(tmp_path, device):
     """Rank 0 of 2, experts placed on both, rank 1 not active: routing reads the device mask, so
     pairs for rank 1 are held back (an error outside warmup, dropped in masked warmup), padding
     rows are neither sent nor counted as load, and the mask keeps its address when the set changes."""
-    from components.engine.expert_map import balanced_placement
+    from components.protocol.placement import balanced_placement
 
     eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), device, max_ranks=2)
     mc, R = eng.model_config, 2

@@ -1,8 +1,8 @@
 """NixlCommunicator over real NIXL/UCX between real processes (CPU DRAM; a GPU variant where CUDA is).
 
-Each rank is a `python -m tests.ep_peer` process; ranks exchange metadata and barriers through
+Each rank is a `python -m harness.ep_peer` process; ranks exchange metadata and barriers through
 files in the test's tmp dir and report digests of everything they received, which the test
-checks byte-for-byte against the deterministic payloads in tests/ep_peer.py.
+checks byte-for-byte against the deterministic payloads in harness/ep_peer.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from components.engine.ep_comm import EPError
 from components.engine.ep_nixl import NixlCommunicator
-from tests.ep_peer import digest, payload, wait_files, write_atomic
+from harness.ep_peer import digest, payload, wait_files, write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 CAP = 1 << 16
@@ -34,7 +34,7 @@ def _spawn(tmp: Path, scenario: str, world: int, *extra: str) -> list[subprocess
         cmd = [
             sys.executable,
             "-m",
-            "tests.ep_peer",
+            "harness.ep_peer",
             "--scenario",
             scenario,
             "--rank",

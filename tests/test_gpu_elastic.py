@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.server import Server, Traffic, engine_reference, scale
+from harness.server import Server, Traffic, engine_reference, scale
 
 pytestmark = pytest.mark.gpu
 

@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
-from components.planner import Bounds, Inputs, Planner, Policy, histogram, parse_prometheus, quantile, resolve
-from tests.server import ROOT, Server, engine_reference, env_tool, free_ports
+from components.planner.service import Bounds, Inputs, Planner, Policy, histogram, parse_prometheus, quantile, resolve
+from harness.server import ROOT, Server, engine_reference, env_tool, free_ports
 
 MAX_TOKENS = 16
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(8)]
@@ -319,7 +319,7 @@ def test_dead_planner_leaves_the_deployment_serving(server, reference, planner_p
 
 
 def test_dynamo_connector_drives_dp_size(server, reference):
-    from components.planner_connector import ElasticDPConnector, TargetReplica
+    from components.planner.connector import ElasticDPConnector, TargetReplica
 
     async def go():
         conn = ElasticDPConnector(router_url=str(server.ctl.base_url), model_name="elastic-ep/tiny-moe")
@@ -349,7 +349,7 @@ def test_dynamo_connector_drives_dp_size(server, reference):
 def test_kubernetes_provider_scales_the_statefulset():
     from aiohttp import web
 
-    from components.capacity_k8s import KubernetesProvider
+    from components.control.capacity_k8s import KubernetesProvider
 
     state = {"replicas": 2, "patches": [], "auth": set()}
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server import env_tool
+from harness.server import env_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = "tests/graphs/echo:Frontend"
@@ -247,7 +247,7 @@ def test_dynamo_without_subcommand_is_usage_error() -> None:
     r = run_cli()
     assert r.returncode == 2 and "serve" in r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "components.serve", "serve"], cwd=ROOT, capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "components.graph.serve", "serve"], cwd=ROOT, capture_output=True, text=True, timeout=30
     )
     assert r.returncode == 2 and "a graph is required" in r.stderr
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server import Server, env_tool, free_ports
+from harness.server import Server, env_tool, free_ports
 
 
 @pytest.fixture

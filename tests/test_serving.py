@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server import Server, alive, pids_with_env
+from harness.server import Server, alive, pids_with_env
 
 MODEL = "elastic-ep/tiny-moe"
 MAX_LEN = 1024  # Worker.max_len default; the reference engine uses the same
@@ -78,7 +78,7 @@ def compute_reference() -> tuple[dict[str, Expected], list[Expected]]:
     from transformers import AutoTokenizer
 
     from components.engine.builtin import builtin_model_dir
-    from tests.reference import generate, single_rank
+    from harness.reference import generate, single_rank
 
     model_dir = builtin_model_dir()
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -124,7 +124,7 @@ def test_tampered_file_is_named(builtin_snap, tmp_path):
 
 
 def test_other_model_and_max_ranks_are_refused(builtin_snap, builtin_target, store, tmp_path):
-    from tests.reference import make_checkpoint
+    from harness.reference import make_checkpoint
 
     model = make_checkpoint("mixtral", tmp_path / "mixtral")
     path, m = bake(store / "mixtral", model, max_len=256, progress=False)

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from harness.reference import make_checkpoint
+from harness.server import ROOT, Server, Traffic, engine_reference, scale
 from snapshot.bake import bake
-from tests.reference import make_checkpoint
-from tests.server import ROOT, Server, Traffic, engine_reference, scale
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(8)]
@@ -73,7 +73,7 @@ def test_checkpointing_parked_cuda_ranks_needs_the_vmm_arena(tmp_path):
         [
             sys.executable,
             "-m",
-            "components.serve",
+            "components.graph.serve",
             "serve",
             "graphs/elastic:Frontend",
             "--discovery-dir",

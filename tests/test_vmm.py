@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from components.engine.vmm import VmmArena, VmmError, place_engine_memory
-from tests.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
+from harness.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 
 REPO = Path(__file__).resolve().parents[1]
-CHILD = REPO / "tests" / "vmm_child.py"
+CHILD = REPO / "harness" / "vmm_child.py"
 MAX_NEW = 10
 
 

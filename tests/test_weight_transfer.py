@@ -1,87 +1,25 @@
 """WeightStore.pull over real NIXL/UCX between real processes (CPU DRAM; a GPU variant where CUDA is).
 
-Sources are `python -m tests.weight_peer` processes serving deterministic weights
-(tests/weight_peer.make_weights); the test process is the joiner and checks what it pulled
+Sources are `python -m harness.weight_peer` processes serving deterministic weights
+(harness/weight_peer.make_weights); the test process is the joiner and checks what it pulled
 byte-for-byte against the same function.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from components.engine.weight_transfer import (
-    PullItem,
-    WeightStore,
-    WeightTransferError,
-    checksum,
-    checksums,
-    decode_manifest,
-    spread,
-)
-from tests.weight_peer import N_SLOTS, fresh_like, make_weights
+from components.engine.weight_transfer import WeightStore, WeightTransferError, checksum, checksums
+from components.protocol.transfer import PullItem, spread
+from harness.weight_peer import N_SLOTS, NON_EXPERT, Sources, fresh_like, make_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 BIG_MB = 256  # each source holds 256 MB of "big" tensors; spread() pulls half from each
-NON_EXPERT = ["embed", "norm", "attn.qkv", "odd", "half3"] + [f"big.{i}" for i in range(4)]
-
-
-class Sources:
-    """Source processes sharing one directory (manifests, stop flag, completion records)."""
-
-    def __init__(self, d: Path):
-        self.dir = d
-        self.procs: dict[int, subprocess.Popen] = {}
-
-    def spawn(self, rank: int, *extra: str) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        log = open(self.dir / f"log-{rank}.txt", "wb")
-        cmd = [sys.executable, "-m", "tests.weight_peer", "--rank", str(rank), "--dir", str(self.dir), *extra]
-        self.procs[rank] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-
-    def manifest(self, rank: int, timeout: float = 60.0):
-        path = self.dir / f"manifest-{rank}.bin"
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            p = self.procs[rank]
-            if p.poll() is not None and not path.exists():
-                pytest.fail(f"source {rank} exited {p.returncode} before its manifest\n{self.logs()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"no manifest from source {rank} in {timeout}s\n{self.logs()}")
-            time.sleep(0.02)
-        return decode_manifest(path.read_bytes())
-
-    def done(self, rank: int, timeout: float = 10.0) -> list[dict]:
-        """Completion notifications source `rank` has received (waits for at least one)."""
-        path = self.dir / f"done-{rank}.json"
-        deadline = time.monotonic() + timeout
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return json.loads(path.read_text()) if path.exists() else []
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.dir.glob("log-*.txt"))
-        )
-
-    def stop(self) -> None:
-        (self.dir / "stop").touch()
-        for _r, p in self.procs.items():
-            try:
-                p.send_signal(signal.SIGCONT)
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 @pytest.fixture(scope="module")

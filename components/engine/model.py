@@ -9,9 +9,9 @@ from torch import nn
 
 from components.engine.checkpoint import Checkpoint, expert_tensor_names
 from components.engine.config import ModelConfig
-from components.engine.expert_map import Placement
 from components.engine.layers import ForwardBatch, KVCache, RMSNorm, Rotary
 from components.engine.moe import ExpertParallel, SparseMoE
+from components.protocol.placement import Placement
 
 
 class _Body(nn.Module):

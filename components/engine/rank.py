@@ -25,13 +25,15 @@ import torch
 
 from components.engine.checkpoint import Checkpoint
 from components.engine.ep_comm import EPCommunicator, EPError
-from components.engine.expert_map import ExpertMap, Placement, balanced_placement, slots_needed
+from components.engine.expert_map import ExpertMap
 from components.engine.layers import KVCache
 from components.engine.model import build_model
 from components.engine.moe import ExpertParallel
 from components.engine.request import GenerateRequest, RequestError, TokenOutput
 from components.engine.sampler import sample
 from components.engine.scheduler import Scheduler, Sequence
+from components.protocol.placement import Placement, balanced_placement, slots_needed
+from components.protocol.transfer import expert_slot_name
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +103,6 @@ def rank_device(device: str, rank: int) -> str:
     if device == "cuda":
         return f"cuda:{rank % max(1, torch.cuda.device_count())}"
     return device
-
-
-def expert_slot_name(layer: int, slot: int, part: str) -> str:
-    return f"experts.{layer}.{slot}.{part}"
 
 
 def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, timeout_s: float = 30.0):

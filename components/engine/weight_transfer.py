@@ -42,11 +42,20 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import msgspec
 import torch
+
+from components.protocol.transfer import (
+    IpcRegion,
+    PullItem,
+    PullStats,
+    TensorDesc,
+    VmmRegion,
+    WeightManifest,
+)
 
 from .nixl_agent import PeerMetadataError, deregister, forget_peer, import_nixl, load_peer, release, release_quietly
 
@@ -65,50 +74,6 @@ _SLEEP_S = 0.0005
 
 class WeightTransferError(RuntimeError):
     """A pull could not complete or produced bad data; the message names the tensor and/or source rank."""
-
-
-class TensorDesc(msgspec.Struct, frozen=True):
-    name: str
-    addr: int  # absolute address of the tensor's first byte in the source process / device
-    nbytes: int
-    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
-    shape: list[int]
-    checksum: int
-
-
-class IpcRegion(msgspec.Struct, frozen=True, array_like=True):
-    """A CUDA allocation a peer on the same node can open directly (torch's CUDA IPC sharing)."""
-
-    base: int
-    nbytes: int
-    device: int
-    handle: bytes
-    size: int
-    offset: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-
-
-class VmmRegion(msgspec.Struct, frozen=True, array_like=True):
-    """A VMM arena a peer on the same node maps by asking `address` for its memory (vmm.VmmExporter)."""
-
-    base: int
-    nbytes: int
-    address: str
-
-
-class WeightManifest(msgspec.Struct, frozen=True):
-    rank: int
-    agent: str
-    agent_metadata: bytes  # nixl_agent.get_agent_metadata(), valid for the agent's lifetime
-    mem_type: str  # "DRAM" | "VRAM"
-    dev_id: int
-    tensors: list[TensorDesc]
-    node: str = ""  # boot id of the source's machine: CUDA IPC only works within one
-    ipc: list[IpcRegion] = []  # VRAM regions a same-node puller copies from directly
-    vmm: list[VmmRegion] = []  # likewise, for weights in a VMM arena
 
 
 def node_id() -> str:
@@ -136,27 +101,6 @@ def _ipc_regions(storages: list) -> list[IpcRegion]:
     return out
 
 
-class PullItem(msgspec.Struct, frozen=True):
-    src_rank: int
-    src_name: str
-    dst_name: str
-
-
-class PullStats(msgspec.Struct):
-    tensors: int
-    bytes: int
-    seconds: float  # whole pull() call: metadata, transfers, verification
-    per_source: dict[int, int]  # bytes per source rank
-    transfer_seconds: float = 0.0  # first post to last completion
-    verify_seconds: float = 0.0
-    ipc_bytes: int = 0  # of `bytes`, copied through CUDA IPC from same-node peers
-    map_seconds: float = 0.0  # of transfer_seconds, mapping and unmapping same-node peers' memory
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
 class PullDone(msgspec.Struct, frozen=True, tag="wt-done", array_like=True):
     """Notification a puller sends each source once it no longer reads from it."""
 
@@ -169,18 +113,6 @@ class PullDone(msgspec.Struct, frozen=True, tag="wt-done", array_like=True):
 
 _done_encoder = msgspec.msgpack.Encoder()
 _done_decoder = msgspec.msgpack.Decoder(PullDone)
-manifest_encoder = msgspec.msgpack.Encoder()
-manifest_decoder = msgspec.msgpack.Decoder(WeightManifest)
-
-
-def encode_manifest(m: WeightManifest) -> bytes:
-    return manifest_encoder.encode(m)
-
-
-def decode_manifest(blob: bytes) -> WeightManifest:
-    return manifest_decoder.decode(blob)
-
-
 # ---------------------------------------------------------------------------------------- checksum
 
 
@@ -257,26 +189,6 @@ def checksums(ts: Iterable[torch.Tensor]) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------- planning
-
-
-def spread(names: list[str], sources: list[int], sizes: Mapping[str, int] | None = None) -> list[PullItem]:
-    """Assign each tensor to one source, largest first to the least-loaded source, so a joiner
-    reads non-expert weights from every serving peer at once. `sizes` (name -> bytes, e.g. from a
-    manifest) balances bytes; without it every tensor counts the same. Deterministic: ties go to
-    the earlier source in `sources`. Items come back in the order of `names`."""
-    if not sources:
-        raise ValueError("spread needs at least one source")
-    if len(set(names)) != len(names):
-        raise ValueError("spread: duplicate tensor names")
-    load = {s: 0 for s in sources}
-    order = sorted(range(len(names)), key=lambda i: -(sizes[names[i]] if sizes is not None else 1))
-    chosen: dict[str, int] = {}
-    for i in order:
-        name = names[i]
-        src = min(sources, key=lambda s: load[s])  # min() keeps the first of equals
-        chosen[name] = src
-        load[src] += sizes[name] if sizes is not None else 1
-    return [PullItem(chosen[n], n, n) for n in names]
 
 
 class _Xfer:

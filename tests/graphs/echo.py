@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from components.component import Component, GraphContext, ProcessSpec
 from components.frontend import Frontend
+from components.graph.component import Component, GraphContext, ProcessSpec
 
 
 class EchoWorker(Component):

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from components.component import component_config, load_context
+from components.graph.component import component_config, load_context
 from tests.graphs.echo import EchoWorker
 
 log = logging.getLogger("tests.echo_worker")
@@ -108,7 +108,7 @@ async def serve() -> None:
     global DELAY
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
 
-    from components.runtime import make_runtime
+    from components.graph.runtime import make_runtime
 
     ctx, _ = load_context()
     cfg = component_config(EchoWorker.Config)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from components.engine.rank import EngineRank, RankConfig, rank_device
 from components.engine.request import GenerateRequest
-from tests.peers import wait_for, write
+from harness.peers import wait_for, write
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-log = logging.getLogger("components.capacity_k8s")
+log = logging.getLogger("components.control.capacity_k8s")
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 

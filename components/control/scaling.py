@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from components.control import (
+from components.protocol.messages import (
     Configure,
     Connect,
     Disconnect,
@@ -39,15 +39,14 @@ from components.control import (
     SetRoutable,
     Warmup,
 )
-from components.engine.expert_map import Placement, changed_slots, grow, interim, rebalance, shrink
-from components.engine.rank import expert_slot_name
-from components.engine.weight_transfer import PullItem, spread
+from components.protocol.placement import Placement, changed_slots, grow, interim, rebalance, shrink
+from components.protocol.transfer import PullItem, expert_slot_name, spread
 
 if TYPE_CHECKING:
-    from components.capacity import CapacityProvider
-    from components.router import RouterService
+    from components.control.capacity import CapacityProvider
+    from components.control.router import RouterService
 
-log = logging.getLogger("components.scaling")
+log = logging.getLogger("components.control.scaling")
 
 MODES = ("A", "B", "C")
 

@@ -44,9 +44,9 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from components.component import Component, GraphContext, ProcessSpec, component_config, load_context
+from components.graph.component import Component, GraphContext, ProcessSpec, component_config, load_context
 
-log = logging.getLogger("components.planner")
+log = logging.getLogger("components.planner.service")
 
 ACTIONS = ("keep", "up", "down")
 _UNSEEN = object()
@@ -96,7 +96,7 @@ class Planner(Component):
             if not 0 <= self.port <= 65535:
                 raise ValueError("port must be in 0..65535")
 
-    module: ClassVar[str] = "components.planner"
+    module: ClassVar[str] = "components.planner.service"
 
     @classmethod
     def urls(cls, config: Any) -> dict[str, str]:

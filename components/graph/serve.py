@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import msgspec
 import yaml
 
-from components.component import (
+from components.graph.component import (
     COMPONENT_ENV,
     EXIT_CANNOT_START,
     GRAPH_ENV,
@@ -434,7 +434,7 @@ class Supervisor:
 
 
 async def run_graph(ctx: GraphContext, plan: list[tuple[str, ProcessSpec]]) -> int:
-    from components.runtime import runtime_env
+    from components.graph.runtime import runtime_env
 
     cwd = os.getcwd()
     pythonpath = os.pathsep.join(p for p in (cwd, *CHILD_PATHS, os.environ.get("PYTHONPATH", "")) if p)

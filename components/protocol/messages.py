@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
-from components.engine.expert_map import Placement
-from components.engine.weight_transfer import PullItem, PullStats, WeightManifest
+from components.protocol.placement import Placement
+from components.protocol.transfer import PullItem, PullStats, WeightManifest
 
 
 class Describe(msgspec.Struct, tag="describe"):

@@ -1,4 +1,4 @@
-"""One EP rank for tests/test_ep_nixl.py, run as `python -m tests.ep_peer ...` in its own process.
+"""One EP rank for tests/test_ep_nixl.py, run as `python -m harness.ep_peer ...` in its own process.
 
 Ranks find each other through files in a shared directory (metadata, barriers) and report what
 they received as a JSON file the test checks against `payload()`.

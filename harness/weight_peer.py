@@ -1,6 +1,6 @@
 """A serving rank that offers its weights, for tests/test_weight_transfer.py.
 
-Run as `python -m tests.weight_peer --rank R --dir D ...`: builds a WeightStore over `make_weights`,
+Run as `python -m harness.weight_peer --rank R --dir D ...`: builds a WeightStore over `make_weights`,
 writes its msgspec-encoded manifest to D/manifest-R.bin, then serves until D/stop exists (a source
 must outlive the puller's last READ). Completion notifications from pullers are appended to
 D/done-R.json as they arrive.
@@ -12,12 +12,17 @@ import argparse
 import json
 import logging
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from components.protocol.transfer import decode_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
 N_SLOTS = 8
 SLOT_SHAPE = (64, 32)
 
@@ -96,7 +101,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[src {args.rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
 
-    from components.engine.weight_transfer import WeightStore, encode_manifest
+    from components.engine.weight_transfer import WeightStore
+    from components.protocol.transfer import encode_manifest
 
     d = Path(args.dir)
     w = make_weights(args.rank, args.seed, args.big_mb, args.device)
@@ -124,6 +130,59 @@ def main(argv=None) -> int:
     store.close()
     store.close()  # idempotent
     return 0
+
+
+NON_EXPERT = ["embed", "norm", "attn.qkv", "odd", "half3"] + [f"big.{i}" for i in range(4)]
+
+
+class Sources:
+    """Source processes sharing one directory (manifests, stop flag, completion records)."""
+
+    def __init__(self, d: Path):
+        self.dir = d
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def spawn(self, rank: int, *extra: str) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        log = open(self.dir / f"log-{rank}.txt", "wb")
+        cmd = [sys.executable, "-m", "harness.weight_peer", "--rank", str(rank), "--dir", str(self.dir), *extra]
+        self.procs[rank] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def manifest(self, rank: int, timeout: float = 60.0):
+        path = self.dir / f"manifest-{rank}.bin"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            p = self.procs[rank]
+            if p.poll() is not None and not path.exists():
+                raise RuntimeError(f"source {rank} exited {p.returncode} before its manifest\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no manifest from source {rank} in {timeout}s\n{self.logs()}")
+            time.sleep(0.02)
+        return decode_manifest(path.read_bytes())
+
+    def done(self, rank: int, timeout: float = 10.0) -> list[dict]:
+        """Completion notifications source `rank` has received (waits for at least one)."""
+        path = self.dir / f"done-{rank}.json"
+        deadline = time.monotonic() + timeout
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return json.loads(path.read_text()) if path.exists() else []
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.dir.glob("log-*.txt"))
+        )
+
+    def stop(self) -> None:
+        (self.dir / "stop").touch()
+        for _r, p in self.procs.items():
+            try:
+                p.send_signal(signal.SIGCONT)
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Child process of tests/test_vmm.py: one vmm engine rank driven over stdin/stdout.
 
-    python tests/vmm_child.py MODEL_DIR {local|nixl} MAX_NEW
+    python harness/vmm_child.py MODEL_DIR {local|nixl} MAX_NEW
 
 Protocol: the child prints `@@ {json}` lines (anything else on stdout is noise to skip) and reads
 one JSON command a line: {"cmd": "generate" | "release" | "restore" | "store" | "store_close" | "quit"}
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from components.engine.rank import EngineRank, RankConfig  # noqa: E402
 from components.engine.weight_transfer import WeightStore  # noqa: E402
-from tests.reference import PROMPTS, submit_all  # noqa: E402
+from harness.reference import PROMPTS, submit_all  # noqa: E402
 
 
 class LocalComm:

@@ -15,7 +15,7 @@ import os
 
 from dynamo.runtime import DistributedRuntime
 
-from components.component import GraphContext
+from components.graph.component import GraphContext
 
 log = logging.getLogger(__name__)
 

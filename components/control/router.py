@@ -19,9 +19,10 @@ from typing import Any, ClassVar
 import msgspec
 from aiohttp import web
 
-from components.capacity import LocalProvider
-from components.component import Component, component_config, load_context
-from components.control import (
+from components.control.capacity import LocalProvider
+from components.control.scaling import MODES, Operation, OpRecord, Scaler, ScaleRequest
+from components.graph.component import Component, component_config, load_context
+from components.protocol.messages import (
     Configure,
     Connect,
     ControlReply,
@@ -33,11 +34,10 @@ from components.control import (
     decode_reply,
     encode,
 )
-from components.engine.expert_map import Placement, balanced_placement
-from components.scaling import MODES, Operation, OpRecord, Scaler, ScaleRequest
+from components.protocol.placement import Placement, balanced_placement
 from components.worker import Worker
 
-log = logging.getLogger("components.router")
+log = logging.getLogger("components.control.router")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 OPEN_PATHS = ("/health", "/metrics")  # served without the bearer token (GET only)
@@ -64,7 +64,7 @@ class Router(Component):
         capacity: str = "local"
         allow_fault_injection: bool = False  # lets POST /scale inject faults into joiners (tests only)
 
-    module: ClassVar[str] = "components.router"
+    module: ClassVar[str] = "components.control.router"
 
     @classmethod
     def urls(cls, config: Any) -> dict[str, str]:
@@ -456,14 +456,14 @@ def make_provider(kind: str, ctx):
     if kind == "local":
         return LocalProvider(ctx)
     if kind == "kubernetes":
-        from components.capacity_k8s import KubernetesProvider
+        from components.control.capacity_k8s import KubernetesProvider
 
         return KubernetesProvider()
     raise ValueError(f"Router.capacity must be 'local' or 'kubernetes', not {kind!r}")
 
 
 async def serve() -> None:
-    from components.runtime import make_runtime
+    from components.graph.runtime import make_runtime
 
     ctx, _ = load_context()
     cfg = component_config(Router.Config)

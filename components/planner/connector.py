@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-log = logging.getLogger("components.planner_connector")
+log = logging.getLogger("components.planner.connector")
 
 DECODE, PREFILL = "decode", "prefill"
 

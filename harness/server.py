@@ -205,7 +205,7 @@ def tokenizer():
 def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 1024, device: str = "cpu") -> list[str]:
     """Greedy output of the single-rank in-process engine on the built-in model, as text."""
     from components.engine.builtin import builtin_model_dir
-    from tests.reference import generate, single_rank
+    from harness.reference import generate, single_rank
 
     eng = single_rank(builtin_model_dir(), device=device, max_len=max_len)
     eng.start()

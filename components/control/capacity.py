@@ -17,10 +17,10 @@ from typing import Protocol
 
 import msgspec
 
-from components.component import COMPONENT_ENV, GRAPH_ENV, GraphContext, encode_context
+from components.graph.component import COMPONENT_ENV, GRAPH_ENV, GraphContext, encode_context
 from components.worker import FAULT_ENV, Worker
 
-log = logging.getLogger("components.capacity")
+log = logging.getLogger("components.control.capacity")
 
 
 class CapacityProvider(Protocol):
