@@ -11,33 +11,14 @@ import logging
 import signal
 from typing import Any, ClassVar
 
-import msgspec
-
 from components.graph.component import Component, component_config, load_context
+from components.protocol.config import FrontendConfig
 
 log = logging.getLogger("components.frontend")
 
 
-ROUTER_MODES = ("round-robin", "random")
-
-
 class Frontend(Component):
-    class Config(msgspec.Struct, forbid_unknown_fields=True):
-        host: str = "127.0.0.1"
-        port: int = 8000
-        # Requests on a worker that died mid-stream are retried elsewhere up to this many
-        # times; with 0 the client sees the failure while a dead entry is still routable.
-        migration_limit: int = 3
-        router_mode: str = "round-robin"
-
-        def __post_init__(self) -> None:
-            # Raised here so `dynamo serve` rejects a bad value before anything starts.
-            if self.router_mode not in ROUTER_MODES:
-                raise ValueError(f"router_mode must be one of {', '.join(ROUTER_MODES)}")
-            if not 0 <= self.port <= 65535:
-                raise ValueError("port must be in 0..65535")
-            if self.migration_limit < 0:
-                raise ValueError("migration_limit must be >= 0")
+    Config = FrontendConfig
 
     module: ClassVar[str] = "components.frontend"
 
@@ -45,9 +26,6 @@ class Frontend(Component):
     def urls(cls, config: Any) -> dict[str, str]:
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
         return {"OpenAI API": f"http://{host}:{config.port}/v1"}
-
-
-FrontendConfig = Frontend.Config
 
 
 def _router_mode(name: str):  # -> dynamo.llm.RouterMode

@@ -29,6 +29,7 @@ from components.graph.component import (
     component_config,
     load_context,
 )
+from components.protocol.config import WorkerConfig
 from components.protocol.lifecycle import Lifecycle, RankState
 from components.protocol.messages import (
     Configure,
@@ -57,24 +58,7 @@ log = logging.getLogger("components.worker")
 
 
 class Worker(Component):
-    class Config(msgspec.Struct, forbid_unknown_fields=True):
-        model: str = ""  # a Hugging Face checkpoint directory; "" = the built-in model
-        served_model_name: str = ""  # "" = the built-in model's name, or the directory's name
-        device: str = "cpu"  # "cpu" or "cuda" (rank r takes GPU r % visible GPUs)
-        dtype: str = ""  # "" = the checkpoint's
-        dp_size: int = 2  # ranks at start
-        max_ranks: int = 4  # the most ranks the deployment can grow to (sizes EP buffers)
-        min_ranks: int = 1  # the fewest ranks it can shrink to (sizes the expert slots)
-        max_seqs: int = 16
-        max_len: int = 0  # longest sequence; 0 = the model's context length, capped by memory
-        max_batched_tokens: int = 256
-        # Baked snapshots (`snapshot-bake bake`) joiners may start from; "" = none. One that does not
-        # match this deployment, or fails its checksums, is refused and the joiner cold-starts.
-        snapshot_root: str = ""
-        # CUDA: weights and KV cache in a CUDA VMM arena, released while a rank is parked (its
-        # checkpoint then holds no weights) and mapped again at the same addresses on restore.
-        # Same-node peers map the arena to pull from it (VMM file descriptors, not CUDA IPC).
-        vmm: bool = False
+    Config = WorkerConfig
 
     module: ClassVar[str] = "components.worker"
 

@@ -202,7 +202,7 @@ def tokenizer():
     return _TOKENIZER
 
 
-def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 1024, device: str = "cpu") -> list[str]:
+def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 0, device: str = "cpu") -> list[str]:
     """Greedy output of the single-rank in-process engine on the built-in model, as text."""
     from components.engine.builtin import builtin_model_dir
     from harness.reference import generate, single_rank

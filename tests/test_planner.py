@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from components.planner.service import Bounds, Inputs, Planner, Policy, histogram, parse_prometheus, quantile, resolve
+from components.protocol.config import WorkerConfig
 from harness.server import ROOT, Server, engine_reference, env_tool, free_ports
 
 MAX_TOKENS = 16
@@ -143,7 +144,7 @@ def test_bad_planner_config_is_refused_at_start(args, message, tmp_path):
 
 
 def test_bounds_default_to_the_start_size():
-    b = resolve(Planner.Config(), {"dp_size": 2, "max_ranks": 4, "min_ranks": 1, "max_seqs": 16})
+    b = resolve(Planner.Config(), WorkerConfig(dp_size=2, max_ranks=4, min_ranks=1, max_seqs=16))
     assert (b.min_dp, b.max_dp, b.up, b.down) == (2, 4, 16.0, 4.0)
 
 

@@ -21,7 +21,7 @@ import pytest
 from harness.server import Server, alive, pids_with_env
 
 MODEL = "elastic-ep/tiny-moe"
-MAX_LEN = 1024  # Worker.max_len default; the reference engine uses the same
+MAX_LEN = 4096  # the built-in model's context, which Worker.max_len defaults to; the reference uses the same
 MAX_TOKENS = 16
 BOOT_TIMEOUT_S = 150  # 2-core CI: four processes import torch and the Dynamo runtime at once
 
@@ -278,13 +278,13 @@ BAD_REQUESTS = {
         "completions",
         {"model": MODEL, "prompt": "hi", "max_tokens": 100000},
         400,
-        "context is 1024 tokens",
+        "context is 4096 tokens",
     ),
     "chat-max-tokens-over-context": (
         "chat/completions",
         {"model": MODEL, "max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]},
         400,
-        "context is 1024 tokens",
+        "context is 4096 tokens",
     ),
     "empty-prompt": ("completions", {"model": MODEL, "prompt": "", "max_tokens": 4}, 400, "empty"),
     "chat-no-messages": ("chat/completions", {"model": MODEL, "messages": [], "max_tokens": 4}, 400, "empty"),
@@ -309,11 +309,11 @@ def test_bad_request_is_4xx_and_server_keeps_serving(stack: Stack, case: str) ->
 def test_bad_request_through_openai_client(stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError):
         stack.client.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="context is 1024 tokens"):
+    with pytest.raises(openai.BadRequestError, match="context is 4096 tokens"):
         stack.client.completions.create(model=MODEL, prompt="hi", max_tokens=100000)
     # Streaming: the HTTP status is already 200 when the worker rejects the request, so the
     # rejection arrives as an error event with code 400; the client raises it.
-    with pytest.raises(openai.APIError, match="context is 1024 tokens") as info:
+    with pytest.raises(openai.APIError, match="context is 4096 tokens") as info:
         for _ in stack.client.completions.create(model=MODEL, prompt="hi", max_tokens=100000, stream=True):
             pass
     assert isinstance(info.value.body, dict) and info.value.body.get("code") == 400, info.value.body

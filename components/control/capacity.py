@@ -11,13 +11,13 @@ import functools
 import logging
 import os
 import signal
-import subprocess
-import sys
 from typing import Protocol
 
 import msgspec
 
 from components.graph.component import COMPONENT_ENV, GRAPH_ENV, GraphContext, encode_context
+from components.graph.spawn import Child, spawn
+from components.protocol.config import WorkerConfig
 from components.worker import FAULT_ENV, Worker
 
 log = logging.getLogger("components.control.capacity")
@@ -52,11 +52,10 @@ class LocalProvider:
 
     def __init__(self, ctx: GraphContext):
         self.ctx = ctx
-        self.wcfg = msgspec.convert(ctx.configs.get("Worker", {}), Worker.Config)
+        self.wcfg = msgspec.convert(ctx.configs.get("Worker", {}), WorkerConfig)
         self.checkpoint_parked = bool(ctx.configs.get("Router", {}).get("checkpoint_parked", False))
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, Child] = {}
         self.parked: dict[int, tuple[int, bool]] = {}  # rank -> (pid, CUDA state checkpointed)
-        self._pumps: dict[int, asyncio.Task] = {}
 
     @functools.cached_property
     def checkpoints_parked(self) -> bool:
@@ -116,12 +115,11 @@ class LocalProvider:
                     continue
             if rank in self.parked:  # a fault test wants a fresh process: retire the parked one
                 await self.release(rank, op, graceful=False)
-            snap = self.snapshot_for(rank, op)
+            snap = await asyncio.to_thread(self.snapshot_for, rank, op)  # reads and checksums files
             how[rank] = "snapshot" if snap else "cold"
             spec = Worker.rank_process(rank, join=True, snapshot=snap)
             env = {
                 **os.environ,
-                **spec.env,
                 GRAPH_ENV: encode_context(self.ctx),
                 COMPONENT_ENV: "Worker",
                 "PYTHONUNBUFFERED": "1",
@@ -129,54 +127,39 @@ class LocalProvider:
             env.pop(FAULT_ENV, None)
             if fault:
                 env[FAULT_ENV] = fault
-            proc = subprocess.Popen(
-                spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            self.procs[rank] = proc
-            self._pumps[rank] = asyncio.create_task(self._pump(spec.label, proc))
+            child = self.procs[rank] = await spawn(spec, env)
             log.info(
                 "[op %s] started %s (pid %d, %s)%s",
                 op,
                 spec.label,
-                proc.pid,
+                child.pid,
                 how[rank],
                 f" with fault {fault}" if fault else "",
             )
         return how
 
-    async def _pump(self, label: str, proc: subprocess.Popen) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            line = await loop.run_in_executor(None, proc.stdout.readline)
-            if not line:
-                return
-            sys.stdout.write(f"[{label}] {line.decode(errors='replace')}")
-            sys.stdout.flush()
-
     def alive(self, rank: int) -> bool | None:
-        proc = self.procs.get(rank)
-        return None if proc is None else proc.poll() is None
+        child = self.procs.get(rank)
+        return None if child is None else child.alive()
 
     async def release(self, rank: int, op: str, graceful: bool = True) -> None:
         pid, _ = self.parked.pop(rank, (None, False))
-        proc = self.procs.pop(rank, None)
-        if proc is None:
+        child = self.procs.pop(rank, None)
+        if child is None:
             if pid is not None and not graceful:  # a parked rank that `dynamo serve` started
                 os.kill(pid, signal.SIGTERM)
             return
         steps = [(signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)]
         for sig, wait in ([(None, 10.0)] if graceful else []) + steps:
-            if sig is not None and proc.poll() is None:
-                os.killpg(proc.pid, sig)
+            if sig is not None and child.alive():
+                child.signal_group(sig)
             try:
-                await asyncio.wait_for(asyncio.to_thread(proc.wait), wait)
+                await asyncio.wait_for(child.proc.wait(), wait)
                 break
             except TimeoutError:
                 continue
-        log.info("[op %s] Worker.%d (pid %d) is gone (exit code %s)", op, rank, proc.pid, proc.returncode)
-        pump = self._pumps.pop(rank, None)
-        if pump:
-            pump.cancel()
+        log.info("[op %s] Worker.%d (pid %d) is gone (exit code %s)", op, rank, child.pid, child.proc.returncode)
+        child.pump.cancel()
 
     async def close(self) -> None:
         await asyncio.gather(*(self.release(r, "shutdown", graceful=False) for r in list(self.procs)))

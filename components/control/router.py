@@ -19,9 +19,10 @@ from typing import Any, ClassVar
 import msgspec
 from aiohttp import web
 
-from components.control.capacity import LocalProvider
-from components.control.scaling import MODES, Operation, OpRecord, Scaler, ScaleRequest
+from components.control.capacity import CapacityProvider, LocalProvider
+from components.control.scaling import Scaler
 from components.graph.component import Component, component_config, load_context
+from components.protocol.config import RouterConfig, WorkerConfig
 from components.protocol.messages import (
     Configure,
     Connect,
@@ -34,8 +35,8 @@ from components.protocol.messages import (
     decode_reply,
     encode,
 )
-from components.protocol.placement import Placement, balanced_placement
-from components.worker import Worker
+from components.protocol.placement import balanced_placement
+from components.protocol.topology import Committed, OpRecord, RankView, ScaleMode, ScaleRequest, Topology
 
 log = logging.getLogger("components.control.router")
 
@@ -44,25 +45,7 @@ OPEN_PATHS = ("/health", "/metrics")  # served without the bearer token (GET onl
 
 
 class Router(Component):
-    class Config(msgspec.Struct, forbid_unknown_fields=True):
-        host: str = "127.0.0.1"
-        port: int = 8001
-        token: str = ""  # bearer token for the control API; required when host is not loopback
-        bootstrap_timeout_s: float = 300.0
-        status_interval_s: float = 1.0
-        prepare_timeout_s: float = 120.0  # a joiner that takes longer to start, load or warm up aborts the op
-        commit_timeout_s: float = 10.0  # a rank that misses it rolls the commit back
-        drain_timeout_s: float = 30.0  # leaving ranks' requests still running after this are handed over
-        rebalance: bool = True  # async EPLB after each scale operation
-        park_leaving: bool = True  # keep leaving ranks' processes parked for the next scale-up
-        # CUDA: also checkpoint a parked rank's GPU state with the driver API, so it holds no GPU
-        # memory. Needs Worker.vmm (the weights are released first, never exported for CUDA IPC).
-        # A failed restore falls back to a cold start.
-        checkpoint_parked: bool = False
-        # Where joining ranks come from: "local" processes on this host, or "kubernetes" pods of the
-        # worker StatefulSet ($ELASTIC_EP_CAPACITY overrides, as the manifests in deploy/ do).
-        capacity: str = "local"
-        allow_fault_injection: bool = False  # lets POST /scale inject faults into joiners (tests only)
+    Config = RouterConfig
 
     module: ClassVar[str] = "components.control.router"
 
@@ -84,55 +67,72 @@ class Router(Component):
         return super().processes(config, ctx)
 
 
-class RankView(msgspec.Struct):
-    rank: int
-    pid: int
-    instance_id: int
-    state: str
-    routable: bool
-    paused: bool
-    epoch: int
-    steps: int
-    running: int
-    waiting: int
-    requests_total: int
-    expert_rows: int
-    graph_captures: int
-    replays_diverged: int
-    kv_usage: float  # KV cache in use, 0..1 (RankStatus.kv_used / kv_total)
-    experts_layer0: list[int]
-
-
-class Topology(msgspec.Struct):
-    epoch: int
-    dp_size: int
-    max_ranks: int
-    active: list[int]
-    ranks: list[RankView]
-    scaling: bool
-    target: int | None  # the size queued behind the running operation, if any
-    operation: OpRecord | None  # the running operation, or the last one
-
-
 class ControlError(RuntimeError):
     pass
 
 
+class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /scale. Unknown fields are refused: a misspelt option must not fall back to a default."""
+
+    dp_size: int
+    mode: str = "C"
+    drain_timeout: float | None = None  # seconds; default Router.drain_timeout_s
+    fault: str = ""
+
+
+class ElasticEPBody(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /scale_elastic_ep, vLLM's API."""
+
+    new_data_parallel_size: int
+    drain_timeout: float | None = None
+
+
+MAX_BODY_BYTES = 64 << 10
+MAX_JSON_DEPTH = 8
+
+
 class RouterService:
-    def __init__(self, rt, ctx, cfg: Router.Config, wcfg: Worker.Config):
+    """The one owner of topology state (the committed epoch, active set and expert placement, and
+    each rank's instance and status) behind the control HTTP API. Scale operations reach ranks
+    through it as their `RankPort` and hand their committed topology back (`operation_ended`)."""
+
+    def __init__(self, rt, ctx, cfg: RouterConfig, wcfg: WorkerConfig):
         self.rt, self.ctx, self.cfg, self.wcfg = rt, ctx, cfg, wcfg
         self.client = None
         self.instances: dict[int, int] = {}  # rank -> instance id
-        self.status: dict[int, RankStatus] = {}
-        self.epoch = 0
-        self.active: list[int] = []
-        self.placement: Placement | None = None
+        self.statuses: dict[int, RankStatus] = {}
+        self._committed = Committed(epoch=0, active=[], placement=None)
         self.num_experts = 0
         self.load_base: dict[int, list[list[int]]] = {}  # per rank: expert load at the last rebalance
         self.ready = asyncio.Event()
         self.started = time.monotonic()
         self.scaler: Scaler | None = None
         self.op_results: dict[tuple[str, str], int] = {}  # (kind, final phase) -> count
+        self.followup_failures = 0  # operations whose commit held but whose rebalance or cleanup failed
+
+    @property
+    def committed(self) -> Committed:
+        """What the ranks serve: while an operation runs, what it has committed so far."""
+        op = self.scaler.current if self.scaler else None
+        return op.topology if op else self._committed
+
+    @property
+    def epoch(self) -> int:
+        return self.committed.epoch
+
+    @property
+    def active(self) -> list[int]:
+        return self.committed.active
+
+    def status(self, rank: int) -> RankStatus:
+        return self.statuses[rank]
+
+    def operation_ended(self, record: OpRecord, topology: Committed) -> None:
+        self._committed = topology
+        if record.rebalance_downtime_s is not None:  # an EPLB committed: load counts from here
+            self.load_base = {r: self.statuses[r].load for r in topology.active}
+        self.op_results[(record.kind, record.phase)] = self.op_results.get((record.kind, record.phase), 0) + 1
+        self.followup_failures += bool(record.followup_error)
 
     # ---- talking to ranks --------------------------------------------------------------------
     async def send(self, rank: int, msg) -> ControlReply:
@@ -144,13 +144,15 @@ class RouterService:
             raise ControlError(
                 f"rank {rank}: {type(msg).__name__.lower()} failed: {reply.error if reply else 'no reply'}"
             )
-        self.status[rank] = reply.status
+        self.statuses[rank] = reply.status
         return reply
 
     async def send_all(self, ranks, make) -> list[ControlReply]:
         return await asyncio.gather(*(self.send(r, make(r)) for r in ranks))
 
-    async def discover(self, ranks: list[int], provider=None, timeout: float | None = None) -> None:
+    async def discover(
+        self, ranks: list[int], provider: CapacityProvider | None = None, timeout: float | None = None
+    ) -> None:
         """Wait until every rank in `ranks` registered, and learn which instance is which rank.
         Fails early when the provider reports one of them dead."""
         if self.client is None:
@@ -168,7 +170,7 @@ class RouterService:
                         log.debug("instance %x did not describe itself: %s", iid, e)
                         continue
                     self.instances[st.rank] = iid
-                    self.status[st.rank] = st
+                    self.statuses[st.rank] = st
                     log.info("found rank %d (instance %x, %s)", st.rank, iid, st.state)
             missing = [r for r in ranks if r not in self.instances]
             if not missing:
@@ -182,38 +184,35 @@ class RouterService:
 
     def forget(self, rank: int) -> None:
         self.instances.pop(rank, None)
-        self.status.pop(rank, None)
+        self.statuses.pop(rank, None)
         self.load_base.pop(rank, None)
 
     def expert_load(self) -> list[list[int]]:
         """Tokens routed to each expert per MoE layer since the last rebalance, over active ranks."""
         total = None
         for r in self.active:
-            cur = self.status[r].load
+            cur = self.statuses[r].load
             base = self.load_base.get(r)
             rows = [[c - (base[i][j] if base else 0) for j, c in enumerate(row)] for i, row in enumerate(cur)]
             total = rows if total is None else [[a + b for a, b in zip(x, y)] for x, y in zip(total, rows)]
         return total or []
 
-    def reset_load(self) -> None:
-        self.load_base = {r: self.status[r].load for r in self.active}
-
     async def bootstrap(self) -> None:
         ranks = list(range(self.wcfg.dp_size))
         await self.discover(ranks)
-        identities = {self.status[r].model_identity for r in ranks}
+        identities = {self.statuses[r].model_identity for r in ranks}
         if len(identities) != 1:
             raise ControlError(f"ranks serve different models: {identities}")
-        meta = {r: self.status[r].metadata for r in ranks}
+        meta = {r: self.statuses[r].metadata for r in ranks}
         await self.send_all(ranks, lambda r: Connect(peers={p: m for p, m in meta.items() if p != r}))
-        st = self.status[0]
+        st = self.statuses[0]
         self.num_experts = st.num_experts
         placement = balanced_placement(st.num_moe_layers, st.num_experts, self.wcfg.max_ranks, st.slots_per_rank, ranks)
         await self.send_all(ranks, lambda r: LoadExperts(placement=placement))
         await self.send_all(ranks, lambda r: Configure(epoch=1, active=ranks, placement=placement))
         await self.send_all(ranks, lambda r: Resume())
         await self.send_all(ranks, lambda r: SetRoutable(routable=True))
-        self.epoch, self.active, self.placement = 1, ranks, placement
+        self._committed = Committed(epoch=1, active=ranks, placement=placement)
         log.info("epoch 1: ranks %s active and routable (%.1f s after start)", ranks, time.monotonic() - self.started)
         self.ready.set()
 
@@ -226,35 +225,10 @@ class RouterService:
                 except Exception as e:
                     log.warning("rank %d did not answer: %s", r, e)
 
-    def observe_op(self, op: Operation) -> None:
-        key = (op.record.kind, op.record.phase)
-        self.op_results[key] = self.op_results.get(key, 0) + 1
-
     # ---- HTTP ----------------------------------------------------------------------------------
     def topology(self) -> Topology:
-        views = []
-        for r, st in sorted(self.status.items()):
-            experts = self.placement.experts_on(r, 0) if self.placement else []
-            views.append(
-                RankView(
-                    rank=r,
-                    pid=st.pid,
-                    instance_id=st.instance_id,
-                    state=st.state,
-                    routable=st.routable,
-                    paused=st.paused,
-                    epoch=st.epoch,
-                    steps=st.steps,
-                    running=st.running,
-                    waiting=st.waiting,
-                    requests_total=st.requests_total,
-                    expert_rows=st.expert_rows,
-                    graph_captures=st.graph_captures,
-                    replays_diverged=st.replays_diverged,
-                    kv_usage=st.kv_used / st.kv_total if st.kv_total else 0.0,
-                    experts_layer0=[e for e in experts if e >= 0],
-                )
-            )
+        placement = self.committed.placement
+        views = [RankView.of(st, placement) for _, st in sorted(self.statuses.items())]
         sc = self.scaler
         op = sc.current.record if sc and sc.current else (sc.history[-1] if sc and sc.history else None)
         return Topology(
@@ -272,7 +246,7 @@ class RouterService:
         def family(name, kind, help_, samples):
             return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples]
 
-        st = sorted(self.status.items())
+        st = sorted(self.statuses.items())
         last = self.scaler.history[-1] if self.scaler and self.scaler.history else None
         lines = family(
             "elastic_router_epoch", "gauge", "Current topology epoch.", [f"elastic_router_epoch {self.epoch}"]
@@ -297,6 +271,12 @@ class RouterService:
                 f'elastic_scale_operations_total{{kind="{k}",result="{p}"}} {n}'
                 for (k, p), n in sorted(self.op_results.items())
             ],
+        )
+        lines += family(
+            "elastic_scale_followup_failures_total",
+            "counter",
+            "Operations whose commit held but whose follow-up (rebalance or cleanup) failed.",
+            [f"elastic_scale_followup_failures_total {self.followup_failures}"],
         )
         if last is not None:
             lines += family(
@@ -343,19 +323,24 @@ class RouterService:
         )
         return "\n".join(lines) + "\n"
 
-    def parse_scale(self, body: bytes, field: str) -> ScaleRequest:
+    def parse_scale(self, body: bytes, body_type: type[ScaleBody] | type[ElasticEPBody]) -> ScaleRequest:
         """A scale request, or ValueError with what is wrong (the HTTP layer answers 400)."""
         try:
-            raw = msgspec.json.decode(body) if body else None
+            raw = msgspec.json.decode(body)
         except msgspec.DecodeError as e:
             raise ValueError(f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+        if _depth(raw) > MAX_JSON_DEPTH:
+            raise ValueError(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+        field = body_type.__struct_fields__[0]
         if not isinstance(raw, dict):
             raise ValueError(f'expected a JSON object like {{"{field}": 4}}')
-        if field not in raw:
-            raise ValueError(f"missing field '{field}'")
-        n = raw[field]
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise ValueError(f"{field} must be an integer, got {msgspec.json.encode(n).decode()}")
+        try:
+            b = msgspec.convert(raw, body_type)
+        except msgspec.ValidationError as e:
+            raise ValueError(str(e)) from None
+        n = getattr(b, field)
         lo, hi = self.wcfg.min_ranks, self.wcfg.max_ranks
         if n < lo:
             raise ValueError(f"{field} must be at least {lo} (Worker.min_ranks), got {n}")
@@ -364,29 +349,36 @@ class RouterService:
                 f"{field} {n} exceeds max_ranks {hi}: the EP buffers and expert slots were sized "
                 f"for {hi} ranks at launch"
             )
-        mode = raw.get("mode", "C")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        fault = raw.get("fault", "")
+        mode = ScaleMode.parse(b.mode) if isinstance(b, ScaleBody) else ScaleMode.PREPARE_ASYNC_REUSE_GRAPHS
+        fault = b.fault if isinstance(b, ScaleBody) else ""
         if fault and not self.cfg.allow_fault_injection:
             raise ValueError("fault injection is off (Router.allow_fault_injection)")
-        drain = raw.get("drain_timeout", raw.get("drain_timeout_s", self.cfg.drain_timeout_s))
-        if not isinstance(drain, (int, float)) or isinstance(drain, bool) or drain < 0:
-            raise ValueError(f"drain_timeout must be a number of seconds >= 0, got {drain!r}")
+        drain = self.cfg.drain_timeout_s if b.drain_timeout is None else b.drain_timeout
+        if not 0 <= drain <= 24 * 3600:
+            raise ValueError(f"drain_timeout must be in 0..86400 seconds, got {drain!r}")
         return ScaleRequest(dp_size=n, mode=mode, drain_timeout_s=float(drain), fault=fault)
 
     def app(self) -> web.Application:
-        @web.middleware
-        async def auth(request, handler):
-            # Probes and scrapers read health and metrics without the token; both are read-only.
-            if self.cfg.token and not (request.method in ("GET", "HEAD") and request.path in OPEN_PATHS):
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given, f"Bearer {self.cfg.token}"):
-                    return web.json_response({"error": "missing or wrong bearer token"}, status=401)
-            return await handler(request)
-
         def error(status: int, message: str):
             return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+        @web.middleware
+        async def guard(request, handler):
+            # Probes and scrapers read health and metrics without the token; both are read-only.
+            if self.cfg.token and not (request.method in ("GET", "HEAD") and request.path in OPEN_PATHS):
+                given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+                if not hmac.compare_digest(given, f"Bearer {self.cfg.token}".encode()):
+                    return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+            # A web page on this machine must not drive the API: a browser names a foreign page in
+            # Origin (CSRF), and a rebound DNS name in Host; other clients send neither.
+            origin = request.headers.get("Origin")
+            if origin is not None and _hostname(origin.partition("://")[2]) not in self.hosts:
+                return error(403, f"cross-origin request from {origin!r} refused")
+            if not self.cfg.token and _hostname(request.host) not in self.hosts:
+                return error(403, f"Host {request.host!r} is not this control API")
+            if request.method == "POST" and request.can_read_body and request.content_type != "application/json":
+                return error(415, f"expected content-type application/json, got {request.content_type!r}")
+            return await handler(request)
 
         async def topology(_):
             return web.Response(body=msgspec.json.encode(self.topology()), content_type="application/json")
@@ -400,13 +392,14 @@ class RouterService:
         async def metrics(_):
             return web.Response(text=self.metrics(), content_type="text/plain")
 
-        async def submit(request, field):
+        async def submit(request, body_type):
             if not self.ready.is_set():
                 return None, error(503, "the first group is still forming")
             try:
-                req = self.parse_scale(await request.read(), field)
+                req = self.parse_scale(await request.read(), body_type)
             except ValueError as e:
                 return None, error(400, str(e))
+            field = body_type.__struct_fields__[0]
             queued = self.scaler.pending or (self.scaler.current.req if self.scaler.current else None)
             now = queued.dp_size if queued else len(self.active)
             if req.dp_size == now:
@@ -415,20 +408,22 @@ class RouterService:
             return req, None
 
         async def scale(request):
-            req, err = await submit(request, "dp_size")
+            req, err = await submit(request, ScaleBody)
             if err:
                 return err
             if request.query.get("wait", "") in ("1", "true"):
                 rec = await self.scaler.wait_idle()
                 return web.Response(body=msgspec.json.encode(rec), content_type="application/json")
-            return web.json_response({"accepted": True, "dp_size": req.dp_size, "mode": req.mode}, status=202)
+            return web.json_response({"accepted": True, "dp_size": req.dp_size, "mode": req.mode.value}, status=202)
 
         async def scale_elastic_ep(request):
             # vLLM's API: blocks until the deployment reached the size.
-            req, err = await submit(request, "new_data_parallel_size")
+            req, err = await submit(request, ElasticEPBody)
             if err:
                 return err
             rec = await self.scaler.wait_idle()
+            if rec is not None and rec.to_size != req.dp_size:
+                return error(409, f"superseded by operation {rec.id} (to dp_size {rec.to_size})")
             ok = rec is not None and rec.phase == "done" and len(self.active) == req.dp_size
             return web.json_response(
                 {"success": ok, "new_data_parallel_size": len(self.active), "operation": msgspec.to_builtins(rec)},
@@ -438,7 +433,7 @@ class RouterService:
         async def is_scaling(_):
             return web.json_response({"is_scaling": bool(self.scaler and self.scaler.busy)})
 
-        app = web.Application(middlewares=[auth])
+        app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
         app.add_routes(
             [
                 web.get("/topology", topology),
@@ -450,6 +445,26 @@ class RouterService:
             ]
         )
         return app
+
+    @property
+    def hosts(self) -> set[str]:
+        """Names this API answers to: loopback, and the configured host."""
+        return {"127.0.0.1", "localhost", "::1", self.cfg.host}
+
+
+def _hostname(netloc: str) -> str:
+    """The host of `host[:port]` or `[v6][:port]`."""
+    if netloc.startswith("["):
+        return netloc[1:].partition("]")[0]
+    return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc
+
+
+def _depth(value, limit: int = MAX_JSON_DEPTH + 1) -> int:
+    """Nesting depth of decoded JSON, counted up to `limit`."""
+    if limit == 0 or not isinstance(value, (dict, list)):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(c, limit - 1) for c in children), default=0)
 
 
 def make_provider(kind: str, ctx):
@@ -466,8 +481,8 @@ async def serve() -> None:
     from components.graph.runtime import make_runtime
 
     ctx, _ = load_context()
-    cfg = component_config(Router.Config)
-    wcfg = msgspec.convert(ctx.configs.get("Worker", {}), Worker.Config)
+    cfg = component_config(RouterConfig)
+    wcfg = msgspec.convert(ctx.configs.get("Worker", {}), WorkerConfig)
     loop = asyncio.get_running_loop()
     rt = make_runtime(loop, ctx)
     stop = asyncio.Event()
@@ -475,14 +490,14 @@ async def serve() -> None:
         loop.add_signal_handler(sig, stop.set)
     svc = RouterService(rt, ctx, cfg, wcfg)
     provider = make_provider(os.environ.get("ELASTIC_EP_CAPACITY") or cfg.capacity, ctx)
-    svc.scaler = Scaler(svc, provider)
+    svc.scaler = Scaler(svc, svc, provider, cfg, wcfg.max_ranks)
     runner = web.AppRunner(svc.app())
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     log.info("control API on http://%s:%d", cfg.host, cfg.port)
     boot = asyncio.create_task(svc.bootstrap())
     refresh = asyncio.create_task(svc.refresh())
-    scaler = asyncio.create_task(svc.scaler.run())
+    scaler = asyncio.create_task(svc.scaler.run(svc.ready))
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({boot, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if boot in done and boot.exception():

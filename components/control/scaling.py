@@ -1,4 +1,4 @@
-"""Scale operations: grow or shrink the serving group in place (DESIGN.md, Scale-up/-down/Failure).
+"""Scale operations: grow or shrink the serving group in place (docs/design.md, "The scale protocol").
 
 One operation runs at a time; a request that arrives meanwhile only moves the target, and the
 latest target wins. Each operation has an id that every log line about it carries, a phase
@@ -6,10 +6,14 @@ machine with one transition function, per-phase timings and a measured downtime 
 request to last resume reply). Everything before the commit can fail and abort without the
 serving topology ever changing; a commit that fails or times out rolls back to the old epoch.
 
-Modes, for comparison (the vLLM elastic EP post's table):
+Modes, for comparison (the vLLM elastic EP post's table; `ScaleMode`):
   A blocking: pause serving first, then start, load, connect, warm up, commit.
   B async prepare: start, load and connect in the background; warm up inside the pause.
   C async prepare + reuse: everything but the in-place switch in the background.
+
+An operation talks to ranks only through a `RankPort` (the router) and never writes the router's
+state: it starts from the committed topology it is given, and each of its commits replaces its own
+`topology`, which the router reads while it runs and takes over when it ends.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ import enum
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
-import msgspec
-
+from components.control.capacity import CapacityProvider
+from components.protocol.config import RouterConfig
 from components.protocol.messages import (
     Configure,
     Connect,
+    ControlReply,
     Disconnect,
     Drain,
     EndExport,
@@ -34,21 +40,17 @@ from components.protocol.messages import (
     Park,
     Pause,
     PullWeights,
+    RankStatus,
     Restore,
     Resume,
     SetRoutable,
     Warmup,
 )
 from components.protocol.placement import Placement, changed_slots, grow, interim, rebalance, shrink
-from components.protocol.transfer import PullItem, expert_slot_name, spread
-
-if TYPE_CHECKING:
-    from components.control.capacity import CapacityProvider
-    from components.control.router import RouterService
+from components.protocol.topology import Committed, OpRecord, ScaleMode, ScaleRequest
+from components.protocol.transfer import expert_pulls, spread
 
 log = logging.getLogger("components.control.scaling")
-
-MODES = ("A", "B", "C")
 
 
 class Phase(enum.Enum):
@@ -84,70 +86,72 @@ _NEXT = {
 _FINAL = {Phase.DONE, Phase.ABORTED, Phase.ROLLED_BACK}
 
 
-class OpRecord(msgspec.Struct):
-    """What /topology shows about an operation."""
-
-    id: str
-    kind: str  # "up" | "down"
-    mode: str
-    from_size: int
-    to_size: int
-    phase: str
-    joiners: list[int]
-    leaving: list[int]
-    phases: dict[str, float]  # seconds spent per phase
-    downtime_s: float | None = None  # the scale's pauses: first pause request to last resume reply, summed
-    committed_at: float | None = None  # wall-clock time (unix) of the last resume reply
-    rebalance_downtime_s: float | None = None  # the short commits of the follow-up EPLB
-    total_s: float | None = None
-    handed_over: int = 0
-    pull_bytes: int = 0
-    joined_from: dict[int, str] = {}  # joiner -> "parked" | "snapshot" | "cold"
-    parked: list[int] = []  # leaving ranks kept for the next scale-up
-    error: str = ""
-
-
 class ScaleError(RuntimeError):
     pass
 
 
-class ScaleRequest(msgspec.Struct, frozen=True):
-    dp_size: int
-    mode: str = "C"
-    drain_timeout_s: float = 30.0
-    fault: str = ""  # injected into joiners; only honoured with Router.allow_fault_injection
+class RankPort(Protocol):
+    """What a scale operation may do with ranks (the router implements it)."""
+
+    async def send(self, rank: int, msg) -> ControlReply:
+        """Send one control message; ControlError when the rank refuses or does not answer."""
+
+    async def discover(self, ranks: list[int], provider: CapacityProvider, timeout: float) -> None:
+        """Wait until these ranks registered and described themselves."""
+
+    def forget(self, rank: int) -> None:
+        """The rank's process is gone: drop its instance and status."""
+
+    def status(self, rank: int) -> RankStatus:
+        """The rank's latest status (every reply carries one)."""
 
 
 class Operation:
+    """One scale operation from the committed topology it starts at; `execute` returns the topology
+    it leaves committed (the old one when it aborts)."""
+
     _ids = itertools.count(1)
 
-    def __init__(self, scaler: Scaler, req: ScaleRequest, kind: str):
-        svc = scaler.svc
-        self.scaler, self.svc, self.req = scaler, svc, req
-        self.id = f"op-{next(self._ids)}-{kind}-{len(svc.active)}to{req.dp_size}"
+    def __init__(
+        self,
+        req: ScaleRequest,
+        topology: Committed,
+        load: list[list[int]],
+        port: RankPort,
+        provider: CapacityProvider,
+        cfg: RouterConfig,
+        max_ranks: int,
+        num_experts: int,
+    ):
+        self.req, self.topology, self.load = req, topology, load
+        self.port, self.provider, self.cfg, self.num_experts = port, provider, cfg, num_experts
+        size = len(topology.active)
+        kind = "up" if req.dp_size > size else "down"
+        self.id = f"op-{next(self._ids)}-{kind}-{size}to{req.dp_size}"
         self.t0 = time.monotonic()
         self._phase_t0 = self.t0
         self.phase = Phase.QUEUED
-        self.old_active = list(svc.active)
-        self.old_placement = svc.placement
-        free = [r for r in range(svc.wcfg.max_ranks) if r not in svc.active]
-        joiners = free[: max(0, req.dp_size - len(svc.active))] if kind == "up" else []
-        leaving = sorted(svc.active)[req.dp_size :] if kind == "down" else []
+        free = [r for r in range(max_ranks) if r not in topology.active]
+        self.joiners = free[: max(0, req.dp_size - size)] if kind == "up" else []
+        self.leaving = sorted(topology.active)[req.dp_size :] if kind == "down" else []
         self.record = OpRecord(
             id=self.id,
             kind=kind,
             mode=req.mode,
-            from_size=len(svc.active),
+            from_size=size,
             to_size=req.dp_size,
             phase=self.phase.value,
-            joiners=joiners,
-            leaving=leaving,
+            joiners=self.joiners,
+            leaving=self.leaving,
             phases={},
         )
-        self.joiners, self.leaving = joiners, leaving
         self.committed = False
         self.rolled_back = False
         self.pause_t0: float | None = None  # mode A: when serving stopped
+
+    @property
+    def active(self) -> list[int]:
+        return self.topology.active
 
     # ---- state machine -----------------------------------------------------------------------
     def transition(self, new: Phase, reason: str = "") -> None:
@@ -172,15 +176,15 @@ class Operation:
             self.record.total_s = round(now - self.t0, 6)
 
     # ---- helpers -----------------------------------------------------------------------------
-    async def call(self, ranks, make, timeout: float | None = None):
+    async def call(self, ranks, make: Callable[[int], object], timeout: float | None = None) -> list[ControlReply]:
         """Send a command to several ranks at once; fail fast when a joiner's process dies."""
-        timeout = timeout or self.svc.cfg.prepare_timeout_s
+        timeout = timeout or self.cfg.prepare_timeout_s
 
         async def one(r):
-            task = asyncio.ensure_future(self.svc.send(r, make(r)))
+            task = asyncio.ensure_future(self.port.send(r, make(r)))
             deadline = time.monotonic() + timeout
             while not task.done():
-                if self.scaler.provider.alive(r) is False:
+                if self.provider.alive(r) is False:
                     task.cancel()
                     raise ScaleError(f"rank {r} died during {self.phase.value}")
                 if time.monotonic() > deadline:
@@ -194,29 +198,11 @@ class Operation:
     async def pull_experts(self, current: Placement, target: Placement, sources: list[int], dense_to=()) -> None:
         """Fill every slot `target` changes (and all dense weights of `dense_to`) from `sources`,
         where `current` says the experts are."""
-        items: dict[int, list[PullItem]] = {}
+        try:
+            items = expert_pulls(current, target, sources)
+        except ValueError as e:
+            raise ScaleError(str(e)) from None
         manifests = {}
-        holders: dict[tuple[int, int], list[int]] = {}
-        for layer, row in enumerate(current.slots):
-            for slot, e in enumerate(row):
-                if e >= 0 and slot // current.slots_per_rank in sources:
-                    holders.setdefault((layer, e), []).append(slot)
-        turn = itertools.count()
-        for layer, slot in changed_slots(current, target):
-            dst = slot // target.slots_per_rank
-            choices = holders.get((layer, target.slots[layer][slot]))
-            if not choices:
-                raise ScaleError(f"no serving rank holds expert {target.slots[layer][slot]} of layer {layer}")
-            src_slot = choices[next(turn) % len(choices)]
-            src = src_slot // current.slots_per_rank
-            for part in ("gate", "up", "down"):
-                items.setdefault(dst, []).append(
-                    PullItem(
-                        src_rank=src,
-                        src_name=expert_slot_name(layer, src_slot % current.slots_per_rank, part),
-                        dst_name=expert_slot_name(layer, slot % target.slots_per_rank, part),
-                    )
-                )
         if dense_to:
             # One full manifest names the dense weights and serves as that source's manifest.
             probe = (await self.call([sources[0]], lambda r: ExportWeights(names=None)))[0].manifest
@@ -226,21 +212,24 @@ class Operation:
                 items.setdefault(dst, []).extend(spread(list(sizes), list(sources), sizes))
         if not items:
             return
+        # A rank copying from its own slots needs no manifest from itself.
         need: dict[int, set[str]] = {}
-        for its in items.values():
+        for dst, its in items.items():
             for it in its:
-                need.setdefault(it.src_rank, set()).add(it.src_name)
+                if it.src_rank != dst:
+                    need.setdefault(it.src_rank, set()).add(it.src_name)
         ask = sorted(r for r in need if r not in manifests)
         replies = await self.call(ask, lambda r: ExportWeights(names=sorted(need[r])))
         manifests.update({r: rep.manifest for r, rep in zip(ask, replies)})
+
+        def pull(r: int) -> PullWeights:
+            remote = {it.src_rank for it in items[r]} - {r}
+            return PullWeights(sources={s: manifests[s] for s in remote}, items=items[r], op=self.id)
+
         try:
-            done = await self.call(
-                sorted(items),
-                lambda r: PullWeights(
-                    sources={s: manifests[s] for s in {it.src_rank for it in items[r]}}, items=items[r], op=self.id
-                ),
-            )
+            done = await self.call(sorted(items), pull)
         finally:
+            # Every exporter stops serving reads, also when a pull failed: no transfer stays running.
             exporters = set(need) | set(manifests)
             await asyncio.gather(
                 *(self.call([r], lambda r: EndExport()) for r in sorted(exporters)), return_exceptions=True
@@ -253,19 +242,18 @@ class Operation:
         """Pause every rank involved at one step boundary, install the new active set and expert
         map in place, resume; returns the downtime. On failure roll everyone back to the previous
         set under a new epoch."""
-        svc = self.svc
         # Leaving ranks that already exited (a follow-up rebalance) are no longer known.
         involved = sorted(
-            r for r in set(svc.active) | set(active) | set(self.joiners) | set(self.leaving) if r in svc.instances
+            r for r in set(self.active) | set(active) | set(self.joiners) | set(self.leaving) if self._known(r)
         )
-        epoch = svc.epoch + 1
-        timeout = svc.cfg.commit_timeout_s
+        epoch = self.topology.epoch + 1
+        timeout = self.cfg.commit_timeout_s
         t0 = self.pause_t0 or time.monotonic()
         self.pause_t0 = None
         try:
             # Ranks already paused (mode A) answer at once.
             await self.call(involved, lambda r: Pause(), timeout)
-            if warm:  # mode B: the preparation the design keeps out of the pause
+            if warm:  # modes A and B: the preparation the design keeps out of the pause
                 await self.call(warm, lambda r: Warmup(placement=placement, recapture=recapture, op=self.id))
             await self.call(
                 involved,
@@ -277,110 +265,110 @@ class Operation:
             await self.rollback(involved, epoch + 1, f"commit of epoch {epoch} failed: {e}")
             raise
         downtime = time.monotonic() - t0
-        svc.epoch, svc.active, svc.placement = epoch, sorted(active), placement
-        log.info("[op %s] epoch %d committed: active %s, downtime %.1f ms", self.id, epoch, svc.active, downtime * 1e3)
+        self.topology = Committed(epoch=epoch, active=sorted(active), placement=placement)
+        log.info("[op %s] epoch %d committed: active %s, downtime %.1f ms", self.id, epoch, self.active, downtime * 1e3)
         return downtime
 
+    def _known(self, rank: int) -> bool:
+        try:
+            self.port.status(rank)
+            return True
+        except KeyError:
+            return False
+
     async def rollback(self, involved, epoch: int, reason: str) -> None:
-        svc = self.svc
-        log.error("[op %s] rolling back to ranks %s at epoch %d: %s", self.id, svc.active, epoch, reason)
-        old = svc.active
-        reachable = [r for r in involved if self.scaler.provider.alive(r) is not False]
+        old = self.topology
+        log.error("[op %s] rolling back to ranks %s at epoch %d: %s", self.id, old.active, epoch, reason)
+        reachable = [r for r in involved if self.provider.alive(r) is not False]
         for msg in (
             lambda r: Pause(),
-            lambda r: Configure(epoch=epoch, active=old if r in old else [], placement=svc.placement),
+            lambda r: Configure(epoch=epoch, active=old.active if r in old.active else [], placement=old.placement),
             lambda r: Resume(),
         ):
             results = await asyncio.gather(
-                *(self.call([r], msg, svc.cfg.commit_timeout_s) for r in reachable), return_exceptions=True
+                *(self.call([r], msg, self.cfg.commit_timeout_s) for r in reachable), return_exceptions=True
             )
             for r, res in zip(reachable, results):
                 if isinstance(res, Exception):
                     log.error("[op %s] rank %d missed the rollback: %s", self.id, r, res)
-        svc.epoch = epoch
+        self.topology = Committed(epoch=epoch, active=old.active, placement=old.placement)
         self.rolled_back = True
 
     # ---- the operations ----------------------------------------------------------------------
     async def scale_up(self) -> None:
-        svc, req = self.svc, self.req
-        current = svc.placement
-        load = svc.expert_load()
-        target = grow(current, self.joiners, svc.num_experts, load)
-        if req.mode == "A":
+        req, current = self.req, self.topology.placement
+        target = grow(current, self.joiners, self.num_experts, self.load)
+        if req.mode is ScaleMode.BLOCKING:
             self.transition(Phase.PAUSING, "mode A stops serving for the whole operation")
             await self.pause_all()
         self.transition(Phase.STARTING, f"joiners {self.joiners}")
-        self.record.joined_from = await self.scaler.provider.acquire(self.joiners, self.id, req.fault)
+        self.record.joined_from = await self.provider.acquire(self.joiners, self.id, req.fault)
         for r, how in self.record.joined_from.items():
             if how != "parked":  # a new process: whatever instance this rank had is gone
-                svc.forget(r)
-        await svc.discover(self.joiners, self.scaler.provider, self.svc.cfg.prepare_timeout_s)
+                self.port.forget(r)
+        await self.port.discover(self.joiners, self.provider, self.cfg.prepare_timeout_s)
         restored = [r for r, how in self.record.joined_from.items() if how == "parked"]
         await self.call(restored, lambda r: Restore(op=self.id))
         self.transition(Phase.LOADING, "dense weights spread over serving ranks, experts per the target map")
-        await self.pull_experts(current, target, list(svc.active), dense_to=self.joiners)
-        if req.mode == "C":
+        await self.pull_experts(current, target, list(self.active), dense_to=self.joiners)
+        if not req.mode.warms_inside_pause:
             self.transition(Phase.WARMING, "joiners alone, remote peers masked")
             await self.call(self.joiners, lambda r: Warmup(placement=target, op=self.id))
         self.transition(Phase.CONNECTING, "serving ranks connect joiners masked")
-        meta = {r: svc.status[r].metadata for r in svc.active + self.joiners}
-        await self.call(svc.active, lambda r: Connect(peers={j: meta[j] for j in self.joiners}, activate=False))
+        meta = {r: self.port.status(r).metadata for r in self.active + self.joiners}
+        await self.call(self.active, lambda r: Connect(peers={j: meta[j] for j in self.joiners}, activate=False))
         await self.call(self.joiners, lambda r: Connect(peers={p: m for p, m in meta.items() if p != r}))
         self.transition(Phase.COMMITTING)
-        self.scale_committed(
-            await self.commit(
-                sorted(svc.active + self.joiners),
-                target,
-                warm=self.joiners if req.mode in ("A", "B") else (),
-                recapture=req.mode in ("A", "B"),
-            )
+        rebuild = req.mode.warms_inside_pause
+        downtime = await self.commit(
+            sorted(self.active + self.joiners), target, warm=self.joiners if rebuild else (), recapture=rebuild
         )
+        self.scale_committed(downtime)
         await self.call(self.joiners, lambda r: SetRoutable(routable=True))
 
     async def scale_down(self) -> None:
-        svc, req = self.svc, self.req
-        remaining = [r for r in svc.active if r not in self.leaving]
-        current = svc.placement
-        target = shrink(current, self.leaving, svc.num_experts)
-        if req.mode == "A":
+        req, current = self.req, self.topology.placement
+        remaining = [r for r in self.active if r not in self.leaving]
+        target = shrink(current, self.leaving, self.num_experts)
+        if req.mode is ScaleMode.BLOCKING:
             # Blocking: serving stops first; the leaving ranks' requests move at once and wait.
             await self.pause_all()
         self.transition(Phase.DRAINING, f"ranks {self.leaving} out of routing")
         await self.call(self.leaving, lambda r: SetRoutable(routable=False))
-        drain_s = 0.0 if req.mode == "A" else req.drain_timeout_s
+        drain_s = 0.0 if req.mode is ScaleMode.BLOCKING else req.drain_timeout_s
         # Handed-over requests go to remaining ranks by name: a routing table that still lists a
         # leaving rank would send one to a rank about to park.
-        targets = [svc.status[r].instance_id for r in remaining]
+        targets = [self.port.status(r).instance_id for r in remaining]
         drained = asyncio.ensure_future(
             self.call(
                 self.leaving,
                 lambda r: Drain(timeout_s=drain_s, targets=targets, op=self.id),
-                drain_s + svc.cfg.prepare_timeout_s,
+                drain_s + self.cfg.prepare_timeout_s,
             )
         )
         self.transition(Phase.MIGRATING, "experts of leaving ranks to remaining ranks")
-        interim_downtime = await self.migrate(current, target, sources=svc.active)
+        interim_downtime = await self.migrate(current, target, sources=self.active)
         self.record.handed_over = sum(rep.handed_over for rep in await drained)
         self.transition(Phase.COMMITTING)
-        rebuild = req.mode in ("A", "B")  # re-warm and re-capture inside the pause
+        rebuild = req.mode.warms_inside_pause  # re-warm and re-capture inside the pause
         self.scale_committed(
             interim_downtime
             + await self.commit(remaining, target, warm=remaining if rebuild else (), recapture=rebuild)
         )
-        park = svc.cfg.park_leaving
+        park = self.cfg.park_leaving
         self.transition(Phase.CLEANUP, f"ranks {self.leaving} disconnect and {'park' if park else 'exit'}")
         await self.call(remaining, lambda r: Disconnect(ranks=self.leaving))
         if park:
-            checkpoint = self.scaler.provider.checkpoints_parked
+            checkpoint = self.provider.checkpoints_parked
             await self.call(self.leaving, lambda r: Park(checkpoint=checkpoint, op=self.id))
             for r in self.leaving:
-                await self.scaler.provider.park(r, svc.status[r].pid, self.id)
+                await self.provider.park(r, self.port.status(r).pid, self.id)
             self.record.parked = list(self.leaving)
             return
         await self.call(self.leaving, lambda r: Exit(op=self.id))
         for r in self.leaving:
-            await self.scaler.provider.release(r, self.id)
-            svc.forget(r)
+            await self.provider.release(r, self.id)
+            self.port.forget(r)
 
     def scale_committed(self, downtime: float) -> None:
         self.committed = True
@@ -388,7 +376,7 @@ class Operation:
 
     async def pause_all(self) -> None:
         self.pause_t0 = time.monotonic()
-        await self.call(self.svc.active, lambda r: Pause(), self.svc.cfg.commit_timeout_s)
+        await self.call(self.active, lambda r: Pause(), self.cfg.commit_timeout_s)
 
     async def migrate(self, current: Placement, target: Placement, sources) -> float:
         """Refill the slots `target` changes; returns the downtime this cost. While serving, first
@@ -397,76 +385,76 @@ class Operation:
         mid = interim(current, target)
         downtime = 0.0
         if mid.slots != current.slots and self.pause_t0 is None:
-            downtime = await self.commit(self.svc.active, mid)
+            downtime = await self.commit(self.active, mid)
         await self.pull_experts(mid, target, list(sources))
         return downtime
 
-    async def rebalance(self) -> None:
+    async def rebalance(self, load: list[list[int]]) -> None:
         """Async EPLB after the scale: replicas follow the measured per-expert load."""
-        svc = self.svc
-        load = svc.expert_load()
-        target = rebalance(svc.placement, svc.active, svc.num_experts, load)
-        if target.slots == svc.placement.slots or not any(any(row) for row in load):
+        current = self.topology.placement
+        target = rebalance(current, self.active, self.num_experts, load)
+        if target.slots == current.slots or not any(any(row) for row in load):
             return
-        self.transition(Phase.MIGRATING, f"{len(changed_slots(svc.placement, target))} slots change")
-        downtime = await self.migrate(svc.placement, target, svc.active)
+        self.transition(Phase.MIGRATING, f"{len(changed_slots(current, target))} slots change")
+        downtime = await self.migrate(current, target, self.active)
         self.transition(Phase.COMMITTING)
-        downtime += await self.commit(svc.active, target)
+        downtime += await self.commit(self.active, target)
         self.record.rebalance_downtime_s = round(downtime, 6)
-        svc.reset_load()
 
     async def abort(self, reason: str) -> None:
         """Undo a prepare: the serving group forgets the joiners, their processes go."""
-        svc = self.svc
         log.error("[op %s] aborting in %s: %s", self.id, self.phase.value, reason)
+        t = self.cfg.commit_timeout_s
         if self.joiners:
             await asyncio.gather(
-                *(
-                    self.call([r], lambda r: Disconnect(ranks=self.joiners), svc.cfg.commit_timeout_s)
-                    for r in svc.active
-                ),
+                *(self.call([r], lambda r: Disconnect(ranks=self.joiners), t) for r in self.active),
                 return_exceptions=True,
             )
             for j in self.joiners:
-                await self.scaler.provider.release(j, self.id, graceful=False)
-                svc.forget(j)
+                await self.provider.release(j, self.id, graceful=False)
+                self.port.forget(j)
         if self.leaving:  # back into routing: they never left the active set
             await asyncio.gather(
-                *(self.call([r], lambda r: SetRoutable(routable=True), svc.cfg.commit_timeout_s) for r in self.leaving),
+                *(self.call([r], lambda r: SetRoutable(routable=True), t) for r in self.leaving),
                 return_exceptions=True,
             )
         if self.pause_t0 is not None:  # mode A paused serving for the operation
-            await asyncio.gather(
-                *(self.call([r], lambda r: Resume(), svc.cfg.commit_timeout_s) for r in svc.active),
-                return_exceptions=True,
-            )
+            await asyncio.gather(*(self.call([r], lambda r: Resume(), t) for r in self.active), return_exceptions=True)
 
-    async def execute(self) -> None:
+    async def execute(self, load_now: Callable[[], list[list[int]]]) -> Committed:
+        """Run the operation; `load_now` gives the measured expert load for the follow-up EPLB."""
         try:
             await (self.scale_up() if self.record.kind == "up" else self.scale_down())
-            if self.svc.cfg.rebalance:
+            if self.cfg.rebalance:
                 self.transition(Phase.REBALANCING, "async EPLB from measured load")
-                await self.rebalance()
+                await self.rebalance(load_now())
             self.transition(Phase.DONE)
         except Exception as e:
-            self.record.error = f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
             if self.committed:
                 # The new topology serves; only the follow-up (cleanup or rebalance) failed.
-                log.error("[op %s] after the commit: %s", self.id, self.record.error)
-                self.transition(Phase.DONE, f"committed; follow-up failed: {self.record.error}")
+                self.record.followup_error = error
+                log.error("[op %s] after the commit: %s", self.id, error)
+                self.transition(Phase.DONE, f"committed; follow-up failed: {error}")
             elif self.rolled_back:
+                self.record.error = error
                 await self.abort(str(e))
-                self.transition(Phase.ROLLED_BACK, self.record.error)
+                self.transition(Phase.ROLLED_BACK, error)
             else:
-                await self.abort(self.record.error)
-                self.transition(Phase.ABORTED, self.record.error)
+                self.record.error = error
+                await self.abort(error)
+                self.transition(Phase.ABORTED, error)
+        return self.topology
 
 
 class Scaler:
-    """Runs operations one at a time toward the latest requested size."""
+    """Runs operations one at a time toward the latest requested size. While one runs, the
+    topology it has committed so far is the deployment's (`topology`)."""
 
-    def __init__(self, svc: RouterService, provider: CapacityProvider):
-        self.svc, self.provider = svc, provider
+    def __init__(
+        self, owner: TopologyOwner, port: RankPort, provider: CapacityProvider, cfg: RouterConfig, max_ranks: int
+    ):
+        self.owner, self.port, self.provider, self.cfg, self.max_ranks = owner, port, provider, cfg, max_ranks
         self.pending: ScaleRequest | None = None
         self.current: Operation | None = None
         self.history: list[OpRecord] = []
@@ -487,21 +475,47 @@ class Scaler:
         await self._idle.wait()
         return self.history[-1] if self.history else None
 
-    async def run(self) -> None:
-        await self.svc.ready.wait()
+    async def run(self, ready: asyncio.Event) -> None:
+        await ready.wait()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self.pending is not None:
                 req, self.pending = self.pending, None
-                size = len(self.svc.active)
-                if req.dp_size == size:
+                start = self.owner.committed
+                if req.dp_size == len(start.active):
                     continue
-                op = Operation(self, req, "up" if req.dp_size > size else "down")
+                op = Operation(
+                    req,
+                    start,
+                    self.owner.expert_load(),
+                    self.port,
+                    self.provider,
+                    self.cfg,
+                    self.max_ranks,
+                    self.owner.num_experts,
+                )
                 self.current = op
                 self.history.append(op.record)
                 del self.history[:-20]
-                await op.execute()
-                self.svc.observe_op(op)
+                result = await op.execute(self.owner.expert_load)
                 self.current = None
+                self.owner.operation_ended(op.record, result)
             self._idle.set()
+
+
+class TopologyOwner(Protocol):
+    """The one owner of topology state (the router): what the scaler reads, and where an
+    operation's result goes."""
+
+    @property
+    def committed(self) -> Committed: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    def expert_load(self) -> list[list[int]]:
+        """Tokens routed to each expert per MoE layer since the last rebalance, over active ranks."""
+
+    def operation_ended(self, record: OpRecord, topology: Committed) -> None:
+        """Take over the topology an operation left committed."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import importlib
 import importlib.util
 import os
@@ -33,10 +32,10 @@ from components.graph.component import (
     encode_context,
     graph_components,
 )
+from components.graph.spawn import Child, spawn
 
 USAGE_ERROR = 2
 STOP_GRACE_S = 10.0
-TAIL_LINES = 20
 
 OVERRIDES_HELP = """\
 component overrides:
@@ -281,25 +280,6 @@ def describe_graph(comps: list[type[Component]]) -> str:
 # supervision
 
 
-class Child:
-    def __init__(self, spec: ProcessSpec, proc: asyncio.subprocess.Process) -> None:
-        self.spec = spec
-        self.proc = proc
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.pump: asyncio.Task[None] | None = None
-
-    @property
-    def label(self) -> str:
-        return self.spec.label
-
-
-def _out(line: str) -> None:
-    sys.stdout.write(line)
-    if not line.endswith("\n"):
-        sys.stdout.write("\n")
-    sys.stdout.flush()
-
-
 def _err(msg: str) -> None:
     sys.stderr.write(f"dynamo serve: {msg}\n")
     sys.stderr.flush()
@@ -314,37 +294,6 @@ def _describe_exit(rc: int) -> str:
     return f"exited with code {rc}"
 
 
-def _die_with_parent() -> None:
-    # If serve itself is SIGKILLed it cannot clean up: have the kernel SIGTERM each child then.
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-async def _pump(child: Child, stream: asyncio.StreamReader) -> None:
-    prefix = f"[{child.label}] "
-    while True:
-        try:
-            raw = await stream.readline()
-        except ValueError:  # a line beyond the reader's limit: take what is buffered
-            raw = await stream.read(1 << 16)
-        if not raw:
-            return
-        line = raw.decode(errors="replace").rstrip("\n")
-        child.tail.append(line)
-        _out(prefix + line)
-
-
-def _signal_group(child: Child, sig: int) -> None:
-    try:
-        os.killpg(child.proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class Supervisor:
     def __init__(self, base_env: dict[str, str]) -> None:
         self.base_env = base_env
@@ -356,33 +305,19 @@ class Supervisor:
         self._tasks: set[asyncio.Task[None]] = set()  # the loop only keeps weak references
 
     async def start(self, component: str, spec: ProcessSpec) -> None:
-        env = {**self.base_env, COMPONENT_ENV: component, **spec.env}
-        proc = await asyncio.create_subprocess_exec(
-            *spec.argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # own process group: signal the whole tree, no Ctrl-C leak
-            preexec_fn=_die_with_parent,
-            limit=1 << 20,
-        )
-        child = Child(spec, proc)
-        assert proc.stdout is not None
-        child.pump = asyncio.create_task(_pump(child, proc.stdout))
+        child = await spawn(spec, {**self.base_env, COMPONENT_ENV: component})
         self.children.append(child)
         watch = asyncio.create_task(self._watch(child))
         self._tasks.add(watch)
         watch.add_done_callback(self._tasks.discard)
-        _err(f"started {spec.label} (pid {proc.pid}{'' if spec.critical else ', non-critical'})")
+        _err(f"started {spec.label} (pid {child.pid}{'' if spec.critical else ', non-critical'})")
 
     async def _watch(self, child: Child) -> None:
         rc = await child.proc.wait()
-        if child.pump is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(child.pump), 2.0)
-            except TimeoutError:
-                pass  # a grandchild still holds the pipe; its output keeps flowing
+        try:
+            await asyncio.wait_for(asyncio.shield(child.pump), 2.0)
+        except TimeoutError:
+            pass  # a grandchild still holds the pipe; its output keeps flowing
         if self.stop.is_set():
             return
         what = f"component {child.label} (pid {child.proc.pid}) {_describe_exit(rc)}"
@@ -405,7 +340,7 @@ class Supervisor:
             # Second Ctrl-C / SIGTERM while stopping: stop waiting.
             self.force = True
             for c in self.children:
-                _signal_group(c, signal.SIGKILL)
+                c.signal_group(signal.SIGKILL)
             return
         self.stop_reason = reason
         self.exit_code = code
@@ -414,7 +349,7 @@ class Supervisor:
     async def shutdown(self) -> None:
         # Frontend first (started last), so nothing is routed to workers that are going away.
         for c in reversed(self.children):
-            _signal_group(c, signal.SIGTERM)
+            c.signal_group(signal.SIGTERM)
         alive = [c for c in self.children if c.proc.returncode is None]
         if alive and not self.force:
             await asyncio.wait([asyncio.create_task(c.proc.wait()) for c in alive], timeout=STOP_GRACE_S)
@@ -423,14 +358,13 @@ class Supervisor:
                     _err(f"{c.label} (pid {c.proc.pid}) did not stop within {STOP_GRACE_S:.0f} s: SIGKILL")
         # Also reaps grandchildren left in a group whose leader already exited.
         for c in self.children:
-            _signal_group(c, signal.SIGKILL)
+            c.signal_group(signal.SIGKILL)
         await asyncio.gather(*(c.proc.wait() for c in self.children))
         for c in self.children:
-            if c.pump is not None:
-                try:
-                    await asyncio.wait_for(c.pump, 1.0)
-                except TimeoutError:
-                    pass
+            try:
+                await asyncio.wait_for(c.pump, 1.0)
+            except TimeoutError:
+                pass
 
 
 async def run_graph(ctx: GraphContext, plan: list[tuple[str, ProcessSpec]]) -> int:

@@ -45,6 +45,8 @@ from typing import Any, ClassVar
 import msgspec
 
 from components.graph.component import Component, GraphContext, ProcessSpec, component_config, load_context
+from components.protocol.config import FrontendConfig, RouterConfig, WorkerConfig
+from components.protocol.topology import ScaleMode, Topology
 
 log = logging.getLogger("components.planner.service")
 
@@ -91,8 +93,7 @@ class Planner(Component):
                 raise ValueError("up_intervals and down_intervals must be >= 1")
             if not 0 < self.smoothing <= 1:
                 raise ValueError("smoothing must be in (0, 1]")
-            if self.mode not in ("A", "B", "C"):
-                raise ValueError("mode must be one of A, B, C")
+            ScaleMode.parse(self.mode)  # ValueError naming the modes
             if not 0 <= self.port <= 65535:
                 raise ValueError("port must be in 0..65535")
 
@@ -108,7 +109,7 @@ class Planner(Component):
     def processes(cls, config: Any, ctx: GraphContext) -> list[ProcessSpec]:
         if not config.enabled:
             return []
-        resolve(config, ctx.configs.get("Worker", {}))  # raises ValueError with what is wrong
+        resolve(config, msgspec.convert(ctx.configs.get("Worker", {}), WorkerConfig))  # ValueError: what is wrong
         # Not critical: a planner that dies leaves the deployment serving at its current size.
         return [ProcessSpec(label=cls.name(), argv=[sys.executable, "-m", cls.module], critical=False)]
 
@@ -135,12 +136,10 @@ def _visible_gpus() -> int | None:
     return len([ln for ln in out.splitlines() if ln.startswith("GPU ")]) or None
 
 
-def resolve(cfg: Planner.Config, worker: dict[str, Any]) -> Bounds:
+def resolve(cfg: Planner.Config, worker: WorkerConfig) -> Bounds:
     """The planner's effective bounds, checked against the Worker's config (the capacity the EP
     buffers and expert slots were sized for at launch). ValueError says what is wrong."""
-    w_min = int(worker.get("min_ranks", 1))
-    w_max = int(worker.get("max_ranks", 4))
-    w_dp = int(worker.get("dp_size", 2))
+    w_min, w_max, w_dp = worker.min_ranks, worker.max_ranks, worker.dp_size
     lo = cfg.min_dp or w_dp
     hi = cfg.max_dp or w_max
     if lo > hi:
@@ -159,13 +158,13 @@ def resolve(cfg: Planner.Config, worker: dict[str, Any]) -> Bounds:
         raise ValueError(
             f"Worker.dp_size ({w_dp}) is outside the planner's bounds {lo}..{hi} (Planner.min_dp..Planner.max_dp)"
         )
-    if worker.get("device") == "cuda":
+    if worker.device == "cuda":
         gpus = _visible_gpus()
         if gpus is not None and hi > gpus:
             raise ValueError(
                 f"Planner.max_dp ({hi}) is over capacity: this host has {gpus} visible GPUs and each rank takes one"
             )
-    up = cfg.scale_up_threshold or float(worker.get("max_seqs", 16))
+    up = cfg.scale_up_threshold or float(worker.max_seqs)
     down = cfg.scale_down_threshold or up / 4
     if down >= up:
         raise ValueError(
@@ -380,22 +379,21 @@ class PlannerService:
         ) as r:
             if r.status != 200:
                 raise RuntimeError(f"GET {url}: HTTP {r.status}")
-            return await (r.json() if url.endswith("/topology") else r.text())
+            return await r.read()
 
     async def observe(self) -> Inputs | None:
-        topo = await self._get(f"{self.router_url}/topology")
+        topo = msgspec.json.decode(await self._get(f"{self.router_url}/topology"), type=Topology)
         fe: dict | None = None
         try:
-            fe = parse_prometheus(await self._get(f"{self.frontend_url}/metrics"))
+            fe = parse_prometheus((await self._get(f"{self.frontend_url}/metrics")).decode())
         except Exception as e:
             log.warning("planner: frontend metrics unavailable (%s); deciding from the router's view", e)
         now = time.monotonic()
         self._track_operation(topo, now)
-        active = set(topo["active"])
-        ranks = [r for r in topo["ranks"] if r["rank"] in active]
-        running = sum(r.get("running", 0) for r in ranks)
-        waiting = sum(r.get("waiting", 0) for r in ranks)
-        kv = [r["kv_usage"] for r in ranks if isinstance(r.get("kv_usage"), (int, float))]
+        ranks = [r for r in topo.ranks if r.rank in topo.active]
+        running = sum(r.running for r in ranks)
+        waiting = sum(r.waiting for r in ranks)
+        kv = [r.kv_usage for r in ranks if r.kv_total]
         inflight = float(running + waiting)
         rate = duration = None
         ttft50 = ttft95 = itl50 = itl95 = None
@@ -440,8 +438,8 @@ class PlannerService:
         if self.rate_ewma is not None and self.duration is not None:
             predicted = max(predicted, self.rate_ewma * self.duration)  # Little's law
         return Inputs(
-            dp=int(topo["dp_size"]),
-            scaling=bool(topo["scaling"] or topo.get("target") is not None),
+            dp=topo.dp_size,
+            scaling=topo.scaling or topo.target is not None,
             inflight=inflight,
             running=running,
             waiting=waiting,
@@ -457,11 +455,11 @@ class PlannerService:
             predicted=predicted,
         )
 
-    def _track_operation(self, topo: dict, now: float) -> None:
+    def _track_operation(self, topo: Topology, now: float) -> None:
         """Cooldown runs from the end of the last operation, whoever asked for it."""
-        op = topo.get("operation")
-        key = (op["id"], op["phase"]) if op else None
-        if topo.get("scaling"):
+        op = topo.operation
+        key = (op.id, op.phase) if op else None
+        if topo.scaling:
             self.policy.last_op_end = now  # still running: the cooldown starts when it ends
         elif self.seen_op is not _UNSEEN and key != self.seen_op:
             self.policy.last_op_end = now  # an operation ended since the last look
@@ -473,7 +471,7 @@ class PlannerService:
         try:
             async with self.session.post(
                 f"{self.router_url}/scale",
-                json={"dp_size": target, "mode": self.cfg.mode},
+                json={"dp_size": target, "mode": ScaleMode.parse(self.cfg.mode).value},
                 headers=self.headers,
                 timeout=aiohttp.ClientTimeout(total=self.cfg.http_timeout_s),
             ) as r:
@@ -636,15 +634,15 @@ async def serve() -> None:
 
     ctx, _ = load_context()
     cfg = component_config(Planner.Config)
-    bounds = resolve(cfg, ctx.configs.get("Worker", {}))
-    fe = ctx.configs.get("Frontend", {})
-    rt = ctx.configs.get("Router", {})
+    bounds = resolve(cfg, msgspec.convert(ctx.configs.get("Worker", {}), WorkerConfig))
+    fe = msgspec.convert(ctx.configs.get("Frontend", {}), FrontendConfig)
+    rt = msgspec.convert(ctx.configs.get("Router", {}), RouterConfig)
     svc = PlannerService(
         cfg,
         bounds,
-        f"http://{_local(fe.get('host', '127.0.0.1'))}:{fe.get('port', 8000)}",
-        f"http://{_local(rt.get('host', '127.0.0.1'))}:{rt.get('port', 8001)}",
-        rt.get("token", ""),
+        f"http://{_local(fe.host)}:{fe.port}",
+        f"http://{_local(rt.host)}:{rt.port}",
+        rt.token,
     )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

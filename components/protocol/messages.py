@@ -125,23 +125,17 @@ ControlRequest = (
 )
 
 
-class RankStatus(msgspec.Struct):
+class RankSummary(msgspec.Struct, kw_only=True):
+    """What a rank reports about itself that /topology shows (RankView adds the router's view)."""
+
     rank: int
     pid: int
     instance_id: int
-    metadata: bytes
-    model_identity: str
-    num_experts: int
-    num_moe_layers: int
-    slots_per_rank: int
-    epoch: int
-    active: list[int]
-    connected: list[int]
-    paused: bool
-    routable: bool
-    steps: int
     state: str
-    load: list[list[int]]  # tokens routed to each expert, per MoE layer, since the last rebalance
+    routable: bool
+    paused: bool
+    epoch: int
+    steps: int
     running: int
     waiting: int
     requests_total: int
@@ -152,6 +146,19 @@ class RankStatus(msgspec.Struct):
     # block), so in use / total is slots held by running sequences / max_seqs.
     kv_used: int = 0
     kv_total: int = 0
+
+
+class RankStatus(RankSummary, kw_only=True):
+    """A rank's reply to every control message: its summary plus what the router needs to act."""
+
+    metadata: bytes  # the EP communicator's, for peers to connect
+    model_identity: str
+    num_experts: int
+    num_moe_layers: int
+    slots_per_rank: int
+    active: list[int]
+    connected: list[int]
+    load: list[list[int]]  # tokens routed to each expert, per MoE layer, since the last rebalance
 
 
 class ControlReply(msgspec.Struct):

@@ -5,9 +5,12 @@ reports (`PullStats`). Torch-free: the router plans pulls; ranks execute them (e
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import msgspec
+
+from components.protocol.placement import Placement, changed_slots
 
 
 def expert_slot_name(layer: int, slot: int, part: str) -> str:
@@ -110,3 +113,36 @@ def spread(names: list[str], sources: list[int], sizes: Mapping[str, int] | None
         chosen[name] = src
         load[src] += sizes[name] if sizes is not None else 1
     return [PullItem(chosen[n], n, n) for n in names]
+
+
+EXPERT_PARTS = ("gate", "up", "down")
+
+
+def expert_pulls(current: Placement, target: Placement, sources: list[int]) -> dict[int, list[PullItem]]:
+    """What each rank pulls so that every slot `target` changes holds its expert, read from the
+    slots of `sources` that hold it under `current`. A rank reads from other ranks, spread round
+    robin over the replicas; from one of its own slots only when no other source holds the expert,
+    as a local copy (a rank never asks its own NIXL agent for its own memory)."""
+    holders: dict[tuple[int, int], list[int]] = {}
+    for layer, row in enumerate(current.slots):
+        for slot, e in enumerate(row):
+            if e >= 0 and slot // current.slots_per_rank in sources:
+                holders.setdefault((layer, e), []).append(slot)
+    turn = itertools.count()
+    items: dict[int, list[PullItem]] = {}
+    for layer, slot in changed_slots(current, target):
+        dst, expert = slot // target.slots_per_rank, target.slots[layer][slot]
+        choices = holders.get((layer, expert))
+        if not choices:
+            raise ValueError(f"no serving rank holds expert {expert} of layer {layer}")
+        remote = [s for s in choices if s // current.slots_per_rank != dst]
+        src_slot = remote[next(turn) % len(remote)] if remote else choices[0]
+        for part in EXPERT_PARTS:
+            items.setdefault(dst, []).append(
+                PullItem(
+                    src_rank=src_slot // current.slots_per_rank,
+                    src_name=expert_slot_name(layer, src_slot % current.slots_per_rank, part),
+                    dst_name=expert_slot_name(layer, slot % target.slots_per_rank, part),
+                )
+            )
+    return items

@@ -1,0 +1,74 @@
+"""The components' configurations, torch-free: `dynamo serve` resolves them, each process decodes
+its own, and the router, capacity providers and planner decode the others' with the same types."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+ROUTER_MODES = ("round-robin", "random")
+
+
+class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    model: str = ""  # a Hugging Face checkpoint directory; "" = the built-in model
+    served_model_name: str = ""  # "" = the built-in model's name, or the directory's name
+    device: str = "cpu"  # "cpu" or "cuda" (rank r takes GPU r % visible GPUs)
+    dtype: str = ""  # "" = the checkpoint's
+    dp_size: int = 2  # ranks at start
+    max_ranks: int = 4  # the most ranks the deployment can grow to (sizes EP buffers)
+    min_ranks: int = 1  # the fewest ranks it can shrink to (sizes the expert slots)
+    max_seqs: int = 16
+    max_len: int = 0  # longest sequence; 0 = the model's context length, capped by memory
+    max_batched_tokens: int = 256
+    # Baked snapshots (`snapshot-bake bake`) joiners may start from; "" = none. One that does not
+    # match this deployment, or fails its checksums, is refused and the joiner cold-starts.
+    snapshot_root: str = ""
+    # CUDA: weights and KV cache in a CUDA VMM arena, released while a rank is parked (its
+    # checkpoint then holds no weights) and mapped again at the same addresses on restore.
+    # Same-node peers map the arena to pull from it (VMM file descriptors, not CUDA IPC).
+    vmm: bool = False
+
+
+class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8001
+    token: str = ""  # bearer token for the control API; required when host is not loopback
+    bootstrap_timeout_s: float = 300.0
+    status_interval_s: float = 1.0
+    prepare_timeout_s: float = 120.0  # a joiner that takes longer to start, load or warm up aborts the op
+    commit_timeout_s: float = 10.0  # a rank that misses it rolls the commit back
+    drain_timeout_s: float = 30.0  # leaving ranks' requests still running after this are handed over
+    rebalance: bool = True  # async EPLB after each scale operation
+    park_leaving: bool = True  # keep leaving ranks' processes parked for the next scale-up
+    # CUDA: also checkpoint a parked rank's GPU state with the driver API, so it holds no GPU
+    # memory. Needs Worker.vmm (the weights are released first, never exported for CUDA IPC).
+    # A failed restore falls back to a cold start.
+    checkpoint_parked: bool = False
+    # Where joining ranks come from: "local" processes on this host, or "kubernetes" pods of the
+    # worker StatefulSet ($ELASTIC_EP_CAPACITY overrides, as the manifests in deploy/ do).
+    capacity: str = "local"
+    allow_fault_injection: bool = False  # lets POST /scale inject faults into joiners (tests only)
+
+    def __post_init__(self) -> None:
+        # What a bearer token may be (RFC 6750 b64token): anything else could not be sent as is.
+        if self.token and not re.fullmatch(r"[A-Za-z0-9\-._~+/]+=*", self.token):
+            raise ValueError("token must be printable ASCII: letters, digits and -._~+/ (then = padding)")
+
+
+class FrontendConfig(msgspec.Struct, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Requests on a worker that died mid-stream are retried elsewhere up to this many
+    # times; with 0 the client sees the failure while a dead entry is still routable.
+    migration_limit: int = 3
+    router_mode: str = "round-robin"
+
+    def __post_init__(self) -> None:
+        # Raised here so `dynamo serve` rejects a bad value before anything starts.
+        if self.router_mode not in ROUTER_MODES:
+            raise ValueError(f"router_mode must be one of {', '.join(ROUTER_MODES)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in 0..65535")
+        if self.migration_limit < 0:
+            raise ValueError("migration_limit must be >= 0")
