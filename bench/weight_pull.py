@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from components.engine.weight_transfer import WeightStore
+from components.engine.weight_store import WeightStore
 from components.protocol.transfer import PullItem, spread
 from harness.weight_peer import NON_EXPERT, Sources, make_weights
 

@@ -193,7 +193,7 @@ class RankServer:
     def open_store(self) -> None:
         """Register this rank's weights with a fresh NIXL agent (named anew each time: peers may
         still hold the metadata of one closed at park)."""
-        from components.engine.weight_transfer import WeightStore
+        from components.engine.weight_store import WeightStore
 
         e = self.engine
         self.stores_opened += 1
@@ -414,7 +414,7 @@ class RankServer:
         return None
 
     async def _pull(self, msg: PullWeights) -> ControlReply:
-        from components.engine.weight_transfer import WeightTransferError
+        from components.engine.weight_store import WeightTransferError
 
         state = self.life.state
         stats = await asyncio.to_thread(self.store.pull, msg.items, msg.sources)

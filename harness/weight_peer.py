@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[src {args.rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
 
-    from components.engine.weight_transfer import WeightStore
+    from components.engine.weight_store import WeightStore
     from components.protocol.transfer import encode_manifest
 
     d = Path(args.dir)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.engine.weight_transfer import WeightStore, WeightTransferError, checksum, checksums
+from components.engine.checksum import checksum, checksums
+from components.engine.weight_store import WeightStore, WeightTransferError
 from components.protocol.transfer import PullItem, spread
 from harness.weight_peer import N_SLOTS, NON_EXPERT, Sources, fresh_like, make_weights
 
@@ -91,6 +92,53 @@ def test_slot_view_lands_in_right_slot(src, expected):
         others = [s for s in range(N_SLOTS) if s != 2]
         assert not buf[others].any(), "bytes landed outside the destination slot"
         assert not _same(buf[2], expected[1]["experts.0.2.gate"])
+
+
+def test_pull_from_self(src, expected):
+    """A rebalance may plan a rank to copy an expert between two of its own slots: such items are
+    local copies (no NIXL, no manifest of our own needed), counted and verified like the rest."""
+    slot = expected[1]["experts.0.0.gate"].numel() * 2
+    before = make_weights(9)
+    with WeightStore(9, make_weights(9)) as local:
+        stats = local.pull([PullItem(9, "experts.0.5.gate", "experts.0.2.gate")], {}, timeout_s=30)
+        assert _same(local.tensors["experts.0.2.gate"], before["experts.0.5.gate"])
+        assert _same(local.tensors["experts.0.5.gate"], before["experts.0.5.gate"])
+        assert (stats.tensors, stats.bytes, stats.local_bytes, stats.ipc_bytes) == (1, slot, slot, 0)
+        assert stats.per_source == {9: slot}
+
+        # Mixed with a remote source, our own manifest given too: slots 2 and 5 swap places, slot 6
+        # goes to slot 7 while slot 6 is refilled from rank 1 (each read before it is written).
+        now = {n: t.clone() for n, t in local.tensors.items()}
+        m = {1: src.manifest(1), 9: local.manifest()}
+        items = [
+            PullItem(9, "experts.0.5.gate", "experts.0.2.gate"),
+            PullItem(9, "experts.0.2.gate", "experts.0.5.gate"),
+            PullItem(1, "experts.0.6.gate", "experts.0.6.gate"),
+            PullItem(9, "experts.0.6.gate", "experts.0.7.gate"),
+            PullItem(1, "embed", "embed"),
+        ]
+        calls: list[tuple[int, int]] = []
+        stats = local.pull(items, m, timeout_s=30, progress=lambda d, t: calls.append((d, t)))
+        got = local.tensors
+        assert _same(got["experts.0.2.gate"], now["experts.0.5.gate"])
+        assert _same(got["experts.0.5.gate"], now["experts.0.2.gate"])
+        assert _same(got["experts.0.7.gate"], now["experts.0.6.gate"])
+        assert _same(got["experts.0.6.gate"], expected[1]["experts.0.6.gate"])
+        assert _same(got["embed"], expected[1]["embed"])
+        for s in (0, 1, 3, 4):
+            assert _same(got[f"experts.0.{s}.gate"], now[f"experts.0.{s}.gate"]), s
+        remote = slot + expected[1]["embed"].numel() * 4
+        assert stats.per_source == {9: 3 * slot, 1: remote}
+        assert (stats.tensors, stats.bytes, stats.local_bytes) == (5, 3 * slot + remote, 3 * slot)
+        assert calls and calls[-1] == (stats.bytes, stats.bytes)
+        # Rank 1 already holds earlier pullers' notifications: wait for ours.
+        deadline = time.monotonic() + 10
+        while not any(e["rank"] == 9 for e in src.done(1)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [(e["ok"], e["bytes"]) for e in src.done(1) if e["rank"] == 9] == [(True, remote)]
+
+        with pytest.raises(WeightTransferError, match=r"tensor nope from rank 9: this rank has no such tensor"):
+            local.pull([PullItem(9, "nope", "embed")], {})
 
 
 def test_mismatch_refused_before_transfer(src, expected):

@@ -50,7 +50,7 @@ import msgspec
 import torch
 
 from .ep_comm import EPError
-from .nixl_agent import PeerMetadataError, deregister, forget_peer, import_nixl, load_peer, release, release_quietly
+from .nixl_agent import NixlAgent, NixlError, PeerMetadataError, nixl_memory
 
 log = logging.getLogger(__name__)
 
@@ -141,23 +141,13 @@ class NixlCommunicator:
         self.rank = rank
         self.max_ranks = max_ranks
         self.capacity_bytes = capacity_bytes
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"unsupported device {self.device}")
+        self.device, self._mem_type, self._dev_id = nixl_memory(device)
         self.timeout_s = timeout_s
         self.name = name or f"ep-{rank}-{os.getpid()}"
 
-        _, _, self._nb = import_nixl()
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # also the agent's: it outlives each agent (suspend/resume)
         self._closed = False
-        self._leaked: list = []  # handles NIXL refused to release (still in flight at an error)
-
         self._on_cuda = self.device.type == "cuda"
-        self._mem_type = "VRAM" if self._on_cuda else "DRAM"
-        self._dev_id = self.device.index if self._on_cuda else 0
-        self._seg = self._nb.VRAM_SEG if self._on_cuda else self._nb.DRAM_SEG
 
         # Allocated and registered once; never reallocated (addresses are part of the contract).
         self._recv = torch.zeros((2, max_ranks, capacity_bytes), dtype=torch.uint8, device=self.device)
@@ -170,8 +160,7 @@ class NixlCommunicator:
         self._progress_thread = progress_thread
         self._base_name = self.name
         self._generation = 0
-        self._agent = None
-        self._reg: list = []
+        self._nixl: NixlAgent | None = None
         self._metadata: bytes | None = None
         self._open_agent()
 
@@ -185,14 +174,13 @@ class NixlCommunicator:
         self._stash: dict[tuple[int, int], dict[int, int]] = {}
 
     def _open_agent(self) -> None:
-        nixl_agent, nixl_agent_config, _ = import_nixl()
         t0 = time.monotonic()
-        self._agent = nixl_agent(
-            self.name, nixl_agent_config(backends=["UCX"], enable_prog_thread=self._progress_thread)
-        )
-        if "UCX" not in self._agent.backends:
-            raise EPError("NIXL UCX backend is not available (plugin missing)")
-        self._reg = [self._agent.register_memory(self._recv), self._agent.register_memory(self._send)]
+        try:
+            self._nixl = NixlAgent(self.name, self._progress_thread, lock=self._lock)
+        except NixlError as e:
+            raise EPError(str(e)) from e
+        self._nixl.register(self._recv)
+        self._nixl.register(self._send)
         self._metadata = None
         log.info(
             "%s: NIXL agent up in %.2fs, 2 x %d x %d B per region on %s, progress thread %s",
@@ -206,17 +194,12 @@ class NixlCommunicator:
 
     def _drop_agent(self) -> None:
         """Forget every peer, deregister the buffers and destroy the agent (and its UCX context)."""
-        agent = self._agent
-        if agent is None:
+        if self._nixl is None:
             return
-        release_quietly(self._leaked)
-        for r in list(self._peers):
-            self._forget(r)
-        for reg in self._reg:
-            deregister(agent, reg, self.name)
-        self._reg = []
-        self._agent = None
-        del agent
+        self._peers.clear()
+        self._agent_rank.clear()
+        self._nixl.close()
+        self._nixl = None
 
     # ------------------------------------------------------------------ parking
 
@@ -235,7 +218,7 @@ class NixlCommunicator:
         """A fresh agent over the same buffers, under a new name: peers may still know the old one."""
         with self._lock:
             self._check_open()
-            if self._agent is None:
+            if self._nixl is None:
                 self._generation += 1
                 self.name = f"{self._base_name}.{self._generation}"
                 self._open_agent()
@@ -256,7 +239,7 @@ class NixlCommunicator:
                     max_ranks=self.max_ranks,
                     capacity_bytes=self.capacity_bytes,
                     agent_name=self.name,
-                    agent_metadata=self._agent.get_agent_metadata(),
+                    agent_metadata=self._nixl.metadata(),
                     recv_addr=self._recv_addr,
                     mem_type=self._mem_type,
                     dev_id=self._dev_id,
@@ -274,7 +257,7 @@ class NixlCommunicator:
         Raises EPError if a peer's capacity, max_ranks or protocol differ from ours."""
         with self._lock:
             self._check_open()
-            if self._agent is None:
+            if self._nixl is None:
                 raise EPError(f"rank {self.rank}: communicator is suspended (parked); resume() it first")
             decoded: dict[int, PeerMetadata] = {}
             for r, blob in peers.items():
@@ -311,7 +294,7 @@ class NixlCommunicator:
                     )
                     self._forget(r)
                 try:
-                    loaded = load_peer(self._agent, m.agent_metadata, m.agent_name)
+                    loaded = self._nixl.load_peer(m.agent_metadata, m.agent_name)
                 except PeerMetadataError as e:
                     raise EPError(f"rank {self.rank}: cannot connect rank {r}: {e}") from e
                 self._peers[r] = _Peer(r, loaded, m.recv_addr, m.mem_type, m.dev_id)
@@ -337,7 +320,7 @@ class NixlCommunicator:
     def _forget(self, r: int) -> None:
         peer = self._peers.pop(r)
         self._agent_rank.pop(peer.agent_name, None)
-        forget_peer(self._agent, peer.agent_name, self.name)
+        self._nixl.forget_peer(peer.agent_name)
 
     def set_active(self, ranks: Iterable[int], epoch: int) -> None:
         """Install the active set for `epoch` and restart seq at 0.
@@ -458,7 +441,8 @@ class NixlCommunicator:
         return t.clone()
 
     def _post(self, remotes, sizes, epoch, seq, parity, handles) -> None:
-        agent, nb, cap, mr = self._agent, self._nb, self.capacity_bytes, self.max_ranks
+        nixl, cap, mr = self._nixl, self.capacity_bytes, self.max_ranks
+        agent = nixl.agent
         slot_off = (parity * mr + self.rank) * cap  # our slot in every peer's receive region
         for dst in remotes:
             peer = self._peers[dst]
@@ -471,11 +455,8 @@ class NixlCommunicator:
                 # Exact-size descriptors per call: building them costs ~4-8 us (measured), far
                 # below one UCX round trip, and a prepared fixed-size list cannot express the
                 # variable payload without over-transfer.
-                local = nb.nixlXferDList(self._seg, [(self._send_addr + (parity * mr + dst) * cap, n, self._dev_id)])
-                remote = nb.nixlXferDList(
-                    self._nb.VRAM_SEG if peer.mem_type == "VRAM" else self._nb.DRAM_SEG,
-                    [(peer.recv_addr + slot_off, n, peer.dev_id)],
-                )
+                local = nixl.descs(self._mem_type, [(self._send_addr + (parity * mr + dst) * cap, n, self._dev_id)])
+                remote = nixl.descs(peer.mem_type, [(peer.recv_addr + slot_off, n, peer.dev_id)])
                 h = agent.initialize_xfer("WRITE", local, remote, peer.agent_name, msg)
                 handles[dst] = h
                 state = agent.transfer(h)
@@ -490,7 +471,7 @@ class NixlCommunicator:
 
     def _wait(self, remotes, epoch, seq, handles) -> dict[int, int]:
         """Wait for a notification from every remote source and for our own WRITEs to finish."""
-        agent = self._agent
+        agent = self._nixl.agent
         got = self._stash.pop((epoch, seq), {})
         need = set(remotes)
         pending = dict(handles)
@@ -553,7 +534,7 @@ class NixlCommunicator:
 
     def _release(self, handles: dict) -> None:
         for dst, h in handles.items():
-            release(h, self._leaked, f"{self.name}: WRITE handle to rank {dst}")
+            self._nixl.release(h, f"{self.name}: WRITE handle to rank {dst}")
         handles.clear()
 
     # ------------------------------------------------------------------ teardown

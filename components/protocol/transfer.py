@@ -77,6 +77,7 @@ class PullStats(msgspec.Struct):
     verify_seconds: float = 0.0
     ipc_bytes: int = 0  # of `bytes`, copied through CUDA IPC from same-node peers
     map_seconds: float = 0.0  # of transfer_seconds, mapping and unmapping same-node peers' memory
+    local_bytes: int = 0  # of `bytes`, copied from the puller's own tensors (its rank was a source)
 
     @property
     def gbps(self) -> float:

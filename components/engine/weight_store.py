@@ -13,92 +13,58 @@ Why it is built this way:
   the transfers. Many tensors go into one request per source (or a few, bounded by
   ``_REQ_BYTES``): a model has thousands of tensors and per-request overhead dominates small ones.
   Requests for all sources are posted before any is waited on, so transports that run
-  asynchronously (CUDA IPC, RDMA) read from every source at once.
+  asynchronously (CUDA IPC, RDMA) read from every source at once. A same-node VRAM source is
+  copied from directly instead (same_node.py).
+* A pull may name this rank itself as a source (a rebalance moving an expert between two of its
+  own slots): such items are a local copy, done before anything else writes, from sources staged
+  first where the same pull also writes them (two slots swapped), and verified like the rest.
 * A source must make UCX progress to be readable: the joiner's first READ needs a connection
   handshake the target has to answer. NIXL's own progress thread would do it but spins a full core
   forever (its poll delay is fixed at 0 by the Python API), which a serving rank cannot spare. So a
   WeightStore whose manifest has been handed out runs a light thread that polls the agent every
   ``serve_interval_s`` (which also collects the joiners' completion notifications), until
   ``stop_serving``/``close``.
-* Checksums from the source. Each TensorDesc carries a checksum computed at the source when the
-  manifest is made; after the READs the joiner recomputes it over its destination. This catches a
-  wrong address, a wrong slot, a short read and a source whose memory does not hold what it claims.
-  The checksum runs on the tensor's device (no host round trip of the weights) and depends only on
-  the bytes, so CPU and CUDA agree.
+* Checksums from the source. Each TensorDesc carries a checksum (checksum.py) computed at the
+  source when the manifest is made; after the READs the joiner recomputes it over its destination.
+  This catches a wrong address, a wrong slot, a short read and a source whose memory does not hold
+  what it claims.
 * No hangs. A pull is bounded by ``timeout_s``; a source that disappears (NIXL reports ERR) or
   stays silent gives a WeightTransferError naming it. Requests to healthy sources are allowed to
   finish first, so they are not still writing into our weights when pull() raises; a timed-out
   request is aborted (NIXL release) and its destinations must be treated as garbage.
 * No pickle on the wire: manifests and notifications are msgspec Structs (msgpack).
 
-Threading: NIXL agents are created without internal locking, so every agent call goes through one
-lock (the serve thread polls concurrently); pull() calls are serialized by a second lock.
+Threading: NIXL agents are created without internal locking, so every agent call goes through the
+NixlAgent's lock (the serve thread polls concurrently); pull() calls are serialized by a second lock.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import msgspec
 import torch
 
-from components.protocol.transfer import (
-    IpcRegion,
-    PullItem,
-    PullStats,
-    TensorDesc,
-    VmmRegion,
-    WeightManifest,
-)
+from components.protocol.transfer import PullItem, PullStats, TensorDesc, WeightManifest
 
-from .nixl_agent import PeerMetadataError, deregister, forget_peer, import_nixl, load_peer, release, release_quietly
+from .checksum import checksums
+from .nixl_agent import NixlAgent, NixlError, PeerMetadataError, nixl_memory
+from .same_node import SameNodeExport, SameNodeImports, node_id
 
 log = logging.getLogger(__name__)
 
 _REQ_BYTES = 256 << 20  # bytes per xfer request: few requests, but progress still reported in steps
-_CHUNK_WORDS = 251 * (1 << 14)  # checksum chunk (a whole number of 251-word rows): bounds temporaries
-_COLS = 251
-_ROW_MOD = 257
-# Odd multipliers mixing the three partial sums (int64 arithmetic wraps identically everywhere).
-_MIX_COL = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX_ROW = 0xC2B2AE3D27D4EB4F - (1 << 64)
 _YIELD_S = 0.005
 _SLEEP_S = 0.0005
 
 
 class WeightTransferError(RuntimeError):
     """A pull could not complete or produced bad data; the message names the tensor and/or source rank."""
-
-
-def node_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "@" + socket.gethostname()
-    except OSError:
-        return socket.gethostname()
-
-
-def _ipc_regions(storages: list) -> list[IpcRegion]:
-    """Export the CUDA allocations behind the store's tensors. Memory torch did not allocate
-    (e.g. a CUDA VMM arena) cannot be shared this way; such regions are left to NIXL."""
-    out = []
-    for st in storages:
-        try:
-            dev, handle, size, offset, rc_handle, rc_offset, ev, ev_sync = st._share_cuda_()
-        except Exception as e:
-            log.info("CUDA IPC unavailable for a region at 0x%x (%s); NIXL serves it", st.data_ptr(), e)
-            continue
-        out.append(
-            IpcRegion(
-                st.data_ptr(), st.nbytes(), dev, handle, size, offset, rc_handle, rc_offset, ev or b"", bool(ev_sync)
-            )
-        )
-    return out
 
 
 class PullDone(msgspec.Struct, frozen=True, tag="wt-done", array_like=True):
@@ -113,79 +79,10 @@ class PullDone(msgspec.Struct, frozen=True, tag="wt-done", array_like=True):
 
 _done_encoder = msgspec.msgpack.Encoder()
 _done_decoder = msgspec.msgpack.Decoder(PullDone)
-# ---------------------------------------------------------------------------------------- checksum
 
 
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as 1-D words. The word size depends only on the byte count (not on the
-    dtype or alignment), so equal bytes give an equal checksum whatever view they came from."""
-    b = t.reshape(-1).view(torch.uint8)
-    n = b.numel()
-    wdt = torch.int32 if n % 4 == 0 else torch.int16 if n % 2 == 0 else torch.uint8
-    if wdt is torch.uint8:
-        return b
-    try:
-        return b.view(wdt)
-    except RuntimeError:  # storage offset not aligned to the word size: realign by copying
-        return b.clone().view(wdt)
-
-
-def _checksum_dev(t: torch.Tensor) -> torch.Tensor:
-    """0-dim int64 checksum on the tensor's device (no sync).
-
-    Words are laid out as rows of 251: the column sums weighted by (column + 1) catch moves by any
-    distance that is not a multiple of 251 words, and the row sums weighted by (row % 257 + 1)
-    catch those that are, so swapped blocks change the result unless they are 64507-word aligned
-    and sized. Plus the plain sum. Integer arithmetic wraps mod 2**64 in any order, so CPU and CUDA
-    agree bit for bit."""
-    if not t.is_contiguous():
-        raise ValueError("checksum needs a contiguous tensor")
-    dev = t.device
-    w = _words(t)
-    n = w.numel()
-    cols = torch.zeros(_COLS, dtype=torch.int64, device=dev)
-    rowacc = torch.zeros((), dtype=torch.int64, device=dev)
-    for start in range(0, n, _CHUNK_WORDS):
-        c = w[start : start + _CHUNK_WORDS]
-        full = c.numel() // _COLS * _COLS
-        row0 = start // _COLS
-        if full:
-            x = c[:full].view(-1, _COLS)
-            cols += x.sum(0, dtype=torch.int64)
-            rows = x.sum(1, dtype=torch.int64)
-            rw = torch.arange(row0, row0 + rows.numel(), device=dev, dtype=torch.int64) % _ROW_MOD + 1
-            rowacc += (rows * rw).sum()
-        if full < c.numel():  # only in the last chunk: a partial row
-            tail = c[full:].to(torch.int64)
-            cols[: tail.numel()] += tail
-            rowacc += tail.sum() * ((row0 + full // _COLS) % _ROW_MOD + 1)
-    colw = torch.arange(1, _COLS + 1, dtype=torch.int64, device=dev)
-    return cols.sum() + (cols * colw).sum() * _MIX_COL + rowacc * _MIX_ROW
-
-
-def checksum(t: torch.Tensor) -> int:
-    """Order-sensitive checksum of a contiguous tensor's bytes, computed on its device."""
-    return int(_checksum_dev(t).item())
-
-
-def checksums(ts: Iterable[torch.Tensor]) -> list[int]:
-    """checksum() of many tensors with one device sync instead of one per tensor."""
-    ts = list(ts)
-    if not ts:
-        return []
-    by_dev: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(ts):
-        by_dev.setdefault(t.device, []).append(i)
-    out = [0] * len(ts)
-    for idx in by_dev.values():
-        vals = torch.stack([_checksum_dev(ts[i]) for i in idx]).tolist()
-        for i, v in zip(idx, vals):
-            out[i] = int(v)
-    return out
 
 
 # ---------------------------------------------------------------------------------------- planning
@@ -232,19 +129,9 @@ class WeightStore:
         """`arena`: the VmmArena holding (some of) the tensors; same-node pullers then map it
         directly (VmmExporter) instead of reading over NIXL."""
         self.rank = rank
-        self._arena = arena
-        self._exporter = None
-        self._vmm: list[VmmRegion] = []
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"unsupported device {self.device}")
+        self.device, self.mem_type, self.dev_id = nixl_memory(device)
         self.name = name or f"weights-{rank}-{os.getpid()}"
         self.serve_interval_s = serve_interval_s
-        self._on_cuda = self.device.type == "cuda"
-        self.mem_type = "VRAM" if self._on_cuda else "DRAM"
-        self.dev_id = self.device.index if self._on_cuda else 0
 
         regions: dict[int, int] = {}  # storage base -> nbytes
         storages: dict[int, object] = {}
@@ -265,42 +152,28 @@ class WeightStore:
         self.tensors: dict[str, torch.Tensor] = dict(tensors)
         self._regions = sorted(regions.items())
         self.node = node_id()
-        # Exported on the first manifest only: a process whose memory was exported for CUDA IPC
-        # (or that opened another's) cannot be checkpointed, so only serving sources pay that.
-        in_arena = (lambda b: arena.ptr <= b < arena.ptr + arena.nbytes) if arena is not None else (lambda b: False)
-        self._storages = (
-            [storages[b] for b, _ in self._regions if not in_arena(b)] if self.device.type == "cuda" else []
-        )
-        self._ipc: list[IpcRegion] | None = None
-        # (source agent, region base) -> (its bytes, the VmmImport to close or None)
-        self._opened: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}
+        self._export = SameNodeExport(self.name, self.device, [storages[b] for b, _ in self._regions], arena)
+        self._imports = SameNodeImports(self.name, self.device, self.node)
         # Distinct storages never overlap, but memory handed in from outside torch could: refuse
         # rather than let UCX see overlapping registrations.
         for (a, na), (b, _) in zip(self._regions, self._regions[1:]):
             if a + na > b:
                 raise ValueError(f"storage regions at 0x{a:x} (+{na}) and 0x{b:x} overlap")
 
-        nixl_agent, nixl_agent_config, self._nb = import_nixl()
-        self._seg = self._nb.VRAM_SEG if self._on_cuda else self._nb.DRAM_SEG
-        self._lock = threading.Lock()  # every agent call
         self._pull_lock = threading.Lock()
         self._closed = False
-        self._remote: dict[str, str] = {}  # agent name in a manifest -> name NIXL loaded
-        self._leaked: list = []
         self._done: list[PullDone] = []
         self._serve_stop = threading.Event()
         self._serve_thread: threading.Thread | None = None
 
         t0 = time.monotonic()
-        # No NIXL progress thread: it spins a core (see module docstring); we poll instead.
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
-        if "UCX" not in self._agent.backends:
-            raise WeightTransferError("NIXL UCX backend is not available (plugin missing)")
-        self._reg = None
+        try:
+            # No NIXL progress thread: it spins a core (see module docstring); we poll instead.
+            self._nixl = NixlAgent(self.name)
+        except NixlError as e:
+            raise WeightTransferError(str(e)) from e
         if self._regions:
-            self._reg = self._agent.register_memory(
-                [(base, n, self.dev_id, "") for base, n in self._regions], mem_type=self.mem_type
-            )
+            self._nixl.register([(base, n, self.dev_id, "") for base, n in self._regions], mem_type=self.mem_type)
         log.info(
             "%s: NIXL agent up in %.2fs, %d tensors in %d regions (%.1f MiB) on %s",
             self.name,
@@ -329,32 +202,24 @@ class WeightStore:
         missing = [n for n in names if n not in self.tensors]
         if missing:
             raise KeyError(f"rank {self.rank}: no tensors named {missing[:5]}")
-        ts = [self.tensors[n] for n in names]
-        sums = checksums(ts)
-        descs = [
-            TensorDesc(n, t.data_ptr(), t.numel() * t.element_size(), _dtype_name(t.dtype), list(t.shape), s)
-            for n, t, s in zip(names, ts, sums)
-        ]
-        with self._lock:
+        descs = self._describe(names)
+        with self._nixl.lock:
             self._check_open()
-            meta = self._agent.get_agent_metadata()
+            meta = self._nixl.metadata()
         self.start_serving()
-        if self._ipc is None:
-            self._ipc = _ipc_regions(self._storages)
-            if self._arena is not None and self._arena.shareable:
-                from .vmm import VmmError, VmmExporter
+        ipc, vmm = self._export.regions()
+        return WeightManifest(self.rank, self.name, meta, self.mem_type, self.dev_id, descs, self.node, ipc, vmm)
 
-                try:
-                    self._exporter = VmmExporter(self._arena)
-                    self._vmm = [VmmRegion(self._arena.ptr, self._arena.nbytes, self._exporter.address)]
-                except (VmmError, OSError) as e:
-                    log.info("%s: the VMM arena cannot be lent (%s); NIXL serves it", self.name, e)
-        return WeightManifest(
-            self.rank, self.name, meta, self.mem_type, self.dev_id, descs, self.node, self._ipc, self._vmm
-        )
+    def _describe(self, names: list[str]) -> list[TensorDesc]:
+        """The named tensors as they are now, checksums included."""
+        ts = [self.tensors[n] for n in names]
+        return [
+            TensorDesc(n, t.data_ptr(), t.numel() * t.element_size(), _dtype_name(t.dtype), list(t.shape), s)
+            for n, t, s in zip(names, ts, checksums(ts))
+        ]
 
     def start_serving(self) -> None:
-        with self._lock:
+        with self._nixl.lock:
             self._check_open()
             if self._serve_thread is not None and self._serve_thread.is_alive():
                 return
@@ -371,7 +236,7 @@ class WeightStore:
 
     def _serve(self) -> None:
         while not self._serve_stop.wait(self.serve_interval_s):
-            with self._lock:
+            with self._nixl.lock:
                 if self._closed:
                     return
                 try:
@@ -380,8 +245,8 @@ class WeightStore:
                     log.warning("%s: serve poll failed: %s", self.name, e)
 
     def _collect_notifs(self) -> None:
-        """Drain NIXL notifications (drives UCX progress). Caller holds self._lock."""
-        for agent_name, msgs in self._agent.get_new_notifs().items():
+        """Drain NIXL notifications (drives UCX progress). Caller holds the agent's lock."""
+        for agent_name, msgs in self._nixl.agent.get_new_notifs().items():
             for raw in msgs:
                 try:
                     m = _done_decoder.decode(raw)
@@ -398,7 +263,7 @@ class WeightStore:
 
     def pulls_done(self) -> list[PullDone]:
         """Completion notifications received so far (drained)."""
-        with self._lock:
+        with self._nixl.lock:
             self._check_open()
             self._collect_notifs()
             out, self._done = self._done, []
@@ -433,8 +298,10 @@ class WeightStore:
     ) -> PullStats:
         """READ each item's source tensor into self.tensors[dst_name], then verify every checksum.
 
-        Everything is validated before the first transfer. Raises WeightTransferError naming the
-        tensor and source rank for a mismatch, a failed or timed-out source, or a bad checksum."""
+        Items whose source is this rank are copied from its own tensors (`sources` needs no
+        manifest for it; one given is not used). Everything is validated before the first
+        transfer. Raises WeightTransferError naming the tensor and source rank for a mismatch, a
+        failed or timed-out source, or a bad checksum."""
         t_start = time.monotonic()
         deadline = t_start + timeout_s
         with self._pull_lock:
@@ -442,33 +309,44 @@ class WeightStore:
             plan = self._plan(items, sources)
             total = sum(x.nbytes for xs in plan.values() for x in xs)
             per_source = {r: sum(x.nbytes for x in xs) for r, xs in plan.items()}
+            local = plan.pop(self.rank, [])
             for r in plan:
                 self._load_source(sources[r])
 
             t_xfer = time.monotonic()
-            # Same-node VRAM sources: copy through CUDA IPC or a lent VMM arena at device-copy
-            # speed (UCX in the NIXL wheel moved VRAM over tcp/loopback here); NIXL READ for
-            # everything else, and for a source whose memory could not be opened.
+            # Before anything else writes: a source of ours may be a destination of this pull.
+            self._copy(self._local_pairs(local))
+            t_local = time.monotonic()
+            # Same-node VRAM sources: copy through CUDA IPC or a lent VMM arena (same_node.py);
+            # NIXL READ for everything else, and for a source whose memory could not be opened.
             direct = {}  # source rank -> its (destination, mapped source bytes) pairs
             for r, xs in plan.items():
-                if use_ipc and self._ipc_usable(sources[r]):
-                    pairs = self._open_all(sources[r], xs)
+                if use_ipc and self._imports.usable(sources[r]):
+                    pairs = self._imports.open_all(sources[r], (e for x in xs for e in x.items))
                     if pairs is not None:
                         direct[r] = pairs
             t_opened = time.monotonic()
             try:
-                self._copy_ipc(direct, plan)
+                self._copy([p for pairs in direct.values() for p in pairs])
             finally:
                 # Close what was opened: a process holding another's CUDA IPC memory cannot be
                 # checkpointed and restored (the driver API refuses), and a joiner may be parked later.
                 t_copied = time.monotonic()
-                self._close_opened()
+                self._imports.close()
                 t_unmapped = time.monotonic()
+            local_bytes = per_source.get(self.rank, 0)
+            ipc_bytes = sum(per_source[r] for r in direct)
             xfers = self._run(
-                {r: xs for r, xs in plan.items() if r not in direct}, sources, deadline, total, progress, timeout_s
+                {r: xs for r, xs in plan.items() if r not in direct},
+                sources,
+                deadline,
+                local_bytes + ipc_bytes,
+                total,
+                progress,
+                timeout_s,
             )
             t_verify = time.monotonic()
-            bad = self._verify([x for xs in plan.values() for x in xs])
+            bad = self._verify([x for xs in (*plan.values(), local) for x in xs])
             t_end = time.monotonic()
 
             self._notify_done(plan, sources, {it.src_rank for it, _, _ in bad})
@@ -491,8 +369,9 @@ class WeightStore:
                 per_source=per_source,
                 transfer_seconds=t_verify - t_xfer,
                 verify_seconds=t_end - t_verify,
-                ipc_bytes=sum(per_source[r] for r in direct),
-                map_seconds=(t_opened - t_xfer) + (t_unmapped - t_copied),
+                ipc_bytes=ipc_bytes,
+                map_seconds=(t_opened - t_local) + (t_unmapped - t_copied),
+                local_bytes=local_bytes,
             )
             log.info(
                 "%s: pulled %d tensors, %.1f MiB from ranks %s in %.3fs (%.2f GB/s; transfer %.3fs, verify %.3fs)",
@@ -515,6 +394,14 @@ class WeightStore:
             if m.mem_type not in ("DRAM", "VRAM"):
                 raise WeightTransferError(f"rank {r}: unknown memory type {m.mem_type!r} in manifest")
             index[r] = {d.name: d for d in m.tensors}
+        # Our own sources are described now, before anything is written (and a manifest of ours
+        # may be older than what our tensors hold).
+        own = list(dict.fromkeys(it.src_name for it in items if it.src_rank == self.rank))
+        if own:
+            missing = [n for n in own if n not in self.tensors]
+            if missing:
+                raise WeightTransferError(f"tensor {missing[0]} from rank {self.rank}: this rank has no such tensor")
+            index[self.rank] = {d.name: d for d in self._describe(own)}
 
         by_src: dict[int, list[tuple[PullItem, TensorDesc, torch.Tensor]]] = {}
         seen_dst: set[str] = set()
@@ -567,102 +454,51 @@ class WeightStore:
             plan[r] = xs
         return plan
 
-    def _ipc_usable(self, m: WeightManifest) -> bool:
-        return self._on_cuda and m.mem_type == "VRAM" and bool(m.ipc or m.vmm) and m.node == self.node
-
-    @staticmethod
-    def _region(m: WeightManifest, desc: TensorDesc) -> IpcRegion | VmmRegion | None:
-        return next((g for g in (*m.ipc, *m.vmm) if g.base <= desc.addr < g.base + g.nbytes), None)
-
-    def _open_all(self, m: WeightManifest, xs: list[_Xfer]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Open every region of `m` the transfers read: (destination, source bytes) per tensor;
-        None (a warning, nothing left open) when one cannot be, so NIXL reads that source instead."""
+    def _local_pairs(self, xs: list[_Xfer]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source bytes) of items copied from this rank's own tensors. A source that
+        is also a destination of these copies (two slots swapped) is staged: read before any write."""
+        entries = [e for x in xs for e in x.items if e[1].nbytes]
+        dsts = sorted((t.data_ptr(), t.data_ptr() + d.nbytes) for _, d, t in entries)
+        ends = [b for _, b in dsts]  # destinations never overlap: sorted by start is sorted by end
         pairs = []
-        try:
-            for x in xs:
-                for it, desc, dst in x.items:
-                    g = self._region(m, desc)
-                    if g is None:
-                        raise WeightTransferError(f"tensor {it.src_name}: not in a region rank {m.rank} exported")
-                    off = desc.addr - g.base
-                    pairs.append((dst, self._open(m.agent, g)[off : off + desc.nbytes]))
-        except Exception as e:
-            log.warning("%s: cannot map rank %d's memory directly (%s); reading it over NIXL", self.name, m.rank, e)
-            self._close_opened(m.agent)
-            return None
+        for it, d, dst in entries:
+            src = self.tensors[it.src_name].reshape(-1).view(torch.uint8)
+            a = src.data_ptr()
+            i = bisect.bisect_right(ends, a)  # the first destination ending after the source starts
+            if i < len(dsts) and dsts[i][0] < a + d.nbytes:
+                src = src.clone()
+            pairs.append((dst, src))
         return pairs
 
-    def _copy_ipc(
-        self, direct: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], plan: dict[int, list[_Xfer]]
-    ) -> None:
-        for r, pairs in direct.items():
-            for dst, src in pairs:
-                dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
-            for x in plan[r]:
-                x.state = "DONE"
-        if direct:
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each source's bytes into its destination; on CUDA, wait until they are there."""
+        for dst, src in pairs:
+            dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
+        if pairs and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _open(self, agent: str, g: IpcRegion | VmmRegion) -> torch.Tensor:
-        key = (agent, g.base)
-        if key not in self._opened:
-            if isinstance(g, VmmRegion):
-                from .vmm import VmmImport
-
-                imp = VmmImport(g.address, self.device)
-                if imp.nbytes < g.nbytes:
-                    imp.close()
-                    raise WeightTransferError(f"{g.address} lent {imp.nbytes} bytes, the manifest says {g.nbytes}")
-                self._opened[key] = (imp.tensor, imp)
-            else:
-                st = torch.UntypedStorage._new_shared_cuda(
-                    g.device,
-                    g.handle,
-                    g.size,
-                    g.offset,
-                    g.ref_counter_handle,
-                    g.ref_counter_offset,
-                    g.event_handle or None,
-                    g.event_sync_required,
-                )
-                # On the source's GPU, which may be another one of this node's: the copy then goes peer to peer.
-                self._opened[key] = (
-                    torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", g.device)).set_(st),
-                    None,
-                )
-        return self._opened[key][0]
-
-    def _close_opened(self, agent: str | None = None) -> None:
-        for key in [k for k in self._opened if agent is None or k[0] == agent]:
-            _, imported = self._opened.pop(key)
-            if imported is not None:
-                imported.close()
-
     def _load_source(self, m: WeightManifest) -> None:
-        if m.agent in self._remote:
+        if m.agent in self._nixl.peers:
             return
-        with self._lock:
-            try:
-                self._remote[m.agent] = load_peer(self._agent, m.agent_metadata, m.agent)
-            except PeerMetadataError as e:
-                raise WeightTransferError(f"rank {self.rank}: source rank {m.rank} is unreachable: {e}") from e
+        try:
+            self._nixl.load_peer(m.agent_metadata, m.agent)
+        except PeerMetadataError as e:
+            raise WeightTransferError(f"rank {self.rank}: source rank {m.rank} is unreachable: {e}") from e
 
     def _forget_source(self, m: WeightManifest) -> None:
         """Drop a failed source's agent so a retry reloads it from a fresh manifest."""
-        self._close_opened(m.agent)
-        if self._remote.pop(m.agent, None) is None:
-            return
-        with self._lock:
-            forget_peer(self._agent, m.agent, self.name)
+        self._imports.close(m.agent)
+        if m.agent in self._nixl.peers:
+            self._nixl.forget_peer(m.agent)
 
-    def _run(self, plan, sources, deadline, total, progress, timeout_s) -> list[_Xfer]:
-        nb, agent = self._nb, self._agent
+    def _run(self, plan, sources, deadline, done_bytes, total, progress, timeout_s) -> list[_Xfer]:
+        """Post every READ of `plan`, then wait for them; `done_bytes` of `total` are in already."""
+        nixl = self._nixl
         # Round-robin over sources so every source has a request in flight from the start.
         queue: list[_Xfer] = []
         depth = max(len(xs) for xs in plan.values()) if plan else 0
         for i in range(depth):
             queue.extend(xs[i] for xs in plan.values() if i < len(xs))
-        done_bytes = 0
         failed: dict[int, str] = {}
 
         def report() -> None:
@@ -682,14 +518,11 @@ class WeightStore:
                 x.state = "DONE"
                 continue
             try:
-                local = nb.nixlXferDList(self._seg, [(t.data_ptr(), d.nbytes, self.dev_id) for _, d, t in live])
-                remote = nb.nixlXferDList(
-                    nb.VRAM_SEG if m.mem_type == "VRAM" else nb.DRAM_SEG,
-                    [(d.addr, d.nbytes, m.dev_id) for _, d, _ in live],
-                )
-                with self._lock:
-                    x.handle = agent.initialize_xfer("READ", local, remote, self._remote[m.agent])
-                    x.state = agent.transfer(x.handle)
+                local = nixl.descs(self.mem_type, [(t.data_ptr(), d.nbytes, self.dev_id) for _, d, t in live])
+                remote = nixl.descs(m.mem_type, [(d.addr, d.nbytes, m.dev_id) for _, d, _ in live])
+                with nixl.lock:
+                    x.handle = nixl.agent.initialize_xfer("READ", local, remote, m.agent)
+                    x.state = nixl.agent.transfer(x.handle)
             except Exception as e:
                 x.state = "ERR"
                 failed[x.src] = f"READ of {_names(x.items)} could not start: {e}"
@@ -708,8 +541,8 @@ class WeightStore:
             # A failed source's other requests are polled to the end too: nothing may still be
             # writing into our tensors when we return.
             for x in pending:
-                with self._lock:
-                    st = agent.check_xfer_state(x.handle)
+                with nixl.lock:
+                    st = nixl.agent.check_xfer_state(x.handle)
                 x.state = st
                 if st == "PROC":
                     still.append(x)
@@ -763,8 +596,8 @@ class WeightStore:
                 )
             )
             try:
-                with self._lock:
-                    self._agent.send_notif(self._remote[sources[r].agent], msg)
+                with self._nixl.lock:
+                    self._nixl.agent.send_notif(sources[r].agent, msg)
             except Exception as e:  # the data is here and verified; a lost notice is the source's timeout
                 log.warning("%s: completion notification to rank %d failed: %s", self.name, r, e)
 
@@ -773,7 +606,7 @@ class WeightStore:
         peer's endpoint still has queued operations aborts the process (UCX arbiter assertion);
         one progress call after the failure is enough, a few are cheap."""
         for _ in range(polls):
-            with self._lock:
+            with self._nixl.lock:
                 if self._closed:
                     return
                 try:
@@ -788,8 +621,7 @@ class WeightStore:
             h, x.handle = x.handle, None
             if h is None:
                 continue
-            with self._lock:
-                release(h, self._leaked, f"{self.name}: READ handle from rank {x.src}")
+            self._nixl.release(h, f"{self.name}: READ handle from rank {x.src}")
 
     # ------------------------------------------------------------------ teardown
 
@@ -801,24 +633,13 @@ class WeightStore:
         if self._closed:
             return
         self.stop_serving()
-        if self._exporter is not None:
-            self._exporter.close()
-            self._exporter = None
+        self._export.close()
         self._progress()
-        with self._pull_lock, self._lock:
+        with self._pull_lock, self._nixl.lock:
             if self._closed:
                 return
             self._closed = True
-            agent = self._agent
-            release_quietly(self._leaked)
-            for name in list(self._remote.values()):
-                forget_peer(agent, name, self.name)
-            self._remote.clear()
-            if self._reg is not None:
-                deregister(agent, self._reg, self.name)
-                self._reg = None
-            self._agent = None
-            del agent
+            self._nixl.close()
             log.info("%s: closed", self.name)
 
     def __enter__(self) -> WeightStore:

@@ -1,0 +1,89 @@
+"""Order-sensitive checksum of a contiguous tensor's bytes, computed on the tensor's device.
+
+Why it is built this way: a weight pull verifies each tensor it received against a checksum its
+source computed when it described the tensor (weight_store.py). So the checksum runs on the
+tensor's device (no host round trip of the weights), checksums() of many tensors costs one device
+sync, and the result depends only on the bytes (not on the dtype, the view or the device), so a
+CPU source and a CUDA puller agree bit for bit. What kinds of damage it catches: _checksum_dev.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+_CHUNK_WORDS = 251 * (1 << 14)  # checksum chunk (a whole number of 251-word rows): bounds temporaries
+_COLS = 251
+_ROW_MOD = 257
+# Odd multipliers mixing the three partial sums (int64 arithmetic wraps identically everywhere).
+_MIX_COL = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX_ROW = 0xC2B2AE3D27D4EB4F - (1 << 64)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as 1-D words. The word size depends only on the byte count (not on the
+    dtype or alignment), so equal bytes give an equal checksum whatever view they came from."""
+    b = t.reshape(-1).view(torch.uint8)
+    n = b.numel()
+    wdt = torch.int32 if n % 4 == 0 else torch.int16 if n % 2 == 0 else torch.uint8
+    if wdt is torch.uint8:
+        return b
+    try:
+        return b.view(wdt)
+    except RuntimeError:  # storage offset not aligned to the word size: realign by copying
+        return b.clone().view(wdt)
+
+
+def _checksum_dev(t: torch.Tensor) -> torch.Tensor:
+    """0-dim int64 checksum on the tensor's device (no sync).
+
+    Words are laid out as rows of 251: the column sums weighted by (column + 1) catch moves by any
+    distance that is not a multiple of 251 words, and the row sums weighted by (row % 257 + 1)
+    catch those that are, so swapped blocks change the result unless they are 64507-word aligned
+    and sized. Plus the plain sum. Integer arithmetic wraps mod 2**64 in any order, so CPU and CUDA
+    agree bit for bit."""
+    if not t.is_contiguous():
+        raise ValueError("checksum needs a contiguous tensor")
+    dev = t.device
+    w = _words(t)
+    n = w.numel()
+    cols = torch.zeros(_COLS, dtype=torch.int64, device=dev)
+    rowacc = torch.zeros((), dtype=torch.int64, device=dev)
+    for start in range(0, n, _CHUNK_WORDS):
+        c = w[start : start + _CHUNK_WORDS]
+        full = c.numel() // _COLS * _COLS
+        row0 = start // _COLS
+        if full:
+            x = c[:full].view(-1, _COLS)
+            cols += x.sum(0, dtype=torch.int64)
+            rows = x.sum(1, dtype=torch.int64)
+            rw = torch.arange(row0, row0 + rows.numel(), device=dev, dtype=torch.int64) % _ROW_MOD + 1
+            rowacc += (rows * rw).sum()
+        if full < c.numel():  # only in the last chunk: a partial row
+            tail = c[full:].to(torch.int64)
+            cols[: tail.numel()] += tail
+            rowacc += tail.sum() * ((row0 + full // _COLS) % _ROW_MOD + 1)
+    colw = torch.arange(1, _COLS + 1, dtype=torch.int64, device=dev)
+    return cols.sum() + (cols * colw).sum() * _MIX_COL + rowacc * _MIX_ROW
+
+
+def checksum(t: torch.Tensor) -> int:
+    """Order-sensitive checksum of a contiguous tensor's bytes, computed on its device."""
+    return int(_checksum_dev(t).item())
+
+
+def checksums(ts: Iterable[torch.Tensor]) -> list[int]:
+    """checksum() of many tensors with one device sync instead of one per tensor."""
+    ts = list(ts)
+    if not ts:
+        return []
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(ts):
+        by_dev.setdefault(t.device, []).append(i)
+    out = [0] * len(ts)
+    for idx in by_dev.values():
+        vals = torch.stack([_checksum_dev(ts[i]) for i in idx]).tolist()
+        for i, v in zip(idx, vals):
+            out[i] = int(v)
+    return out

@@ -1,0 +1,161 @@
+"""Opening a same-node peer's memory directly, so a weight pull between processes of one machine
+copies at device-copy speed instead of going through NIXL.
+
+Why it is built this way:
+
+* UCX in the NIXL wheel moved VRAM between processes of one node over tcp/loopback here, so a
+  puller whose VRAM source is on its own node (same boot id, ``node_id``) maps the source's memory
+  and copies from it itself. Torch's CUDA allocations are shared through CUDA IPC
+  (``ipc_regions``); memory torch did not allocate, a CUDA VMM arena, cannot be, so an arena is
+  lent by its own VmmExporter (vmm.py) and mapped with VmmImport.
+* A process whose memory was exported for CUDA IPC, or that opened another's, cannot be
+  checkpointed and restored (the driver API refuses). So a source exports only once it serves
+  (``SameNodeExport.regions`` on its first manifest) and a puller closes what it opened as soon as
+  it has copied (``SameNodeImports.close``): a joiner may be parked later.
+* Best effort. A region that cannot be exported is left to NIXL; a source whose memory cannot be
+  opened is read over NIXL instead (``open_all`` returns None).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from components.protocol.transfer import IpcRegion, PullItem, TensorDesc, VmmRegion, WeightManifest
+
+log = logging.getLogger(__name__)
+
+
+def node_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "@" + socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+def ipc_regions(storages: list) -> list[IpcRegion]:
+    """Export the CUDA allocations behind the store's tensors. Memory torch did not allocate
+    (e.g. a CUDA VMM arena) cannot be shared this way; such regions are left to NIXL."""
+    out = []
+    for st in storages:
+        try:
+            dev, handle, size, offset, rc_handle, rc_offset, ev, ev_sync = st._share_cuda_()
+        except Exception as e:
+            log.info("CUDA IPC unavailable for a region at 0x%x (%s); NIXL serves it", st.data_ptr(), e)
+            continue
+        out.append(
+            IpcRegion(
+                st.data_ptr(), st.nbytes(), dev, handle, size, offset, rc_handle, rc_offset, ev or b"", bool(ev_sync)
+            )
+        )
+    return out
+
+
+class SameNodeExport:
+    """A source's memory as same-node pullers open it: its CUDA storages through CUDA IPC, its VMM
+    arena (when it has one) through a VmmExporter."""
+
+    def __init__(self, name: str, device: torch.device, storages: list, arena=None):
+        self.name = name
+        self._arena = arena
+        in_arena = (lambda b: arena.ptr <= b < arena.ptr + arena.nbytes) if arena is not None else (lambda b: False)
+        self._storages = [st for st in storages if not in_arena(st.data_ptr())] if device.type == "cuda" else []
+        self._ipc: list[IpcRegion] | None = None
+        self._vmm: list[VmmRegion] = []
+        self._exporter = None
+
+    def regions(self) -> tuple[list[IpcRegion], list[VmmRegion]]:
+        """(CUDA IPC regions, VMM regions) for a manifest; exported on the first call."""
+        if self._ipc is None:
+            self._ipc = ipc_regions(self._storages)
+            if self._arena is not None and self._arena.shareable:
+                from .vmm import VmmError, VmmExporter
+
+                try:
+                    self._exporter = VmmExporter(self._arena)
+                    self._vmm = [VmmRegion(self._arena.ptr, self._arena.nbytes, self._exporter.address)]
+                except (VmmError, OSError) as e:
+                    log.info("%s: the VMM arena cannot be lent (%s); NIXL serves it", self.name, e)
+        return self._ipc, self._vmm
+
+    def close(self) -> None:
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
+
+
+class SameNodeImports:
+    """Same-node sources' memory opened in this process, per (source agent, region base)."""
+
+    def __init__(self, name: str, device: torch.device, node: str):
+        self.name = name
+        self.device = device
+        self.node = node
+        # (source agent, region base) -> (its bytes, the VmmImport to close or None)
+        self._opened: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}
+
+    def usable(self, m: WeightManifest) -> bool:
+        return self.device.type == "cuda" and m.mem_type == "VRAM" and bool(m.ipc or m.vmm) and m.node == self.node
+
+    @staticmethod
+    def _region(m: WeightManifest, desc: TensorDesc) -> IpcRegion | VmmRegion | None:
+        return next((g for g in (*m.ipc, *m.vmm) if g.base <= desc.addr < g.base + g.nbytes), None)
+
+    def open_all(
+        self, m: WeightManifest, entries: Iterable[tuple[PullItem, TensorDesc, torch.Tensor]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Open every region of `m` the entries read: (destination, source bytes) per entry;
+        None (a warning, nothing left open) when one cannot be, so NIXL reads that source instead."""
+        pairs = []
+        try:
+            for it, desc, dst in entries:
+                g = self._region(m, desc)
+                if g is None:
+                    raise ValueError(f"tensor {it.src_name}: not in a region rank {m.rank} exported")
+                off = desc.addr - g.base
+                pairs.append((dst, self._open(m.agent, g)[off : off + desc.nbytes]))
+        except Exception as e:
+            log.warning("%s: cannot map rank %d's memory directly (%s); reading it over NIXL", self.name, m.rank, e)
+            self.close(m.agent)
+            return None
+        return pairs
+
+    def _open(self, agent: str, g: IpcRegion | VmmRegion) -> torch.Tensor:
+        key = (agent, g.base)
+        if key not in self._opened:
+            if isinstance(g, VmmRegion):
+                from .vmm import VmmImport
+
+                imp = VmmImport(g.address, self.device)
+                if imp.nbytes < g.nbytes:
+                    imp.close()
+                    raise ValueError(f"{g.address} lent {imp.nbytes} bytes, the manifest says {g.nbytes}")
+                self._opened[key] = (imp.tensor, imp)
+            else:
+                st = torch.UntypedStorage._new_shared_cuda(
+                    g.device,
+                    g.handle,
+                    g.size,
+                    g.offset,
+                    g.ref_counter_handle,
+                    g.ref_counter_offset,
+                    g.event_handle or None,
+                    g.event_sync_required,
+                )
+                # On the source's GPU, which may be another one of this node's: the copy then goes peer to peer.
+                self._opened[key] = (
+                    torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", g.device)).set_(st),
+                    None,
+                )
+        return self._opened[key][0]
+
+    def close(self, agent: str | None = None) -> None:
+        """Close what was opened from `agent` (every source if None)."""
+        for key in [k for k in self._opened if agent is None or k[0] == agent]:
+            _, imported = self._opened.pop(key)
+            if imported is not None:
+                imported.close()
