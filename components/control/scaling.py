@@ -1,4 +1,4 @@
-"""Scale operations: grow or shrink the serving group in place (DESIGN.md, Scale-up/-down/Failure).
+"""Scale operations: grow or shrink the serving group in place (docs/design.md, "The scale protocol").
 
 One operation runs at a time; a request that arrives meanwhile only moves the target, and the
 latest target wins. Each operation has an id that every log line about it carries, a phase
