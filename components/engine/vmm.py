@@ -7,7 +7,7 @@ bump allocator. Everything a captured CUDA graph reads at a fixed address (weigh
 KV cache) can live there. `release()` unmaps and frees the physical memory but keeps the virtual
 range reserved: the views keep their `data_ptr()` (they must not be touched until `remap()`), and
 a process parked with the driver checkpoint API then holds no copy of them, which keeps the
-checkpoint small and fast (DESIGN.md, "Snapshots"). `remap()` maps fresh physical memory at the
+checkpoint small and fast (docs/design.md, "Snapshots"). `remap()` maps fresh physical memory at the
 same addresses; its contents are undefined and the caller refills them (from peers or the
 checkpoint), after which graphs captured before the release compute correctly again.
 

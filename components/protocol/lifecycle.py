@@ -1,4 +1,4 @@
-"""The rank lifecycle as an explicit state machine (DESIGN.md, "The rank lifecycle").
+"""The rank lifecycle as an explicit state machine (docs/design.md, "The rank lifecycle").
 
 BOOTING -> RESTORED -> LOADED -> WARMED -> STAGED -> ACTIVE -> LEAVING -> PARKED | EXITED, and any
 state -> FAILED. A cold start skips RESTORED; the first ranks of a deployment go LOADED -> ACTIVE
