@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from components.protocol.lifecycle import RankState
 from components.protocol.placement import Placement
 from components.protocol.transfer import PullItem, PullStats, WeightManifest
 
@@ -140,7 +141,7 @@ class RankStatus(msgspec.Struct):
     paused: bool
     routable: bool
     steps: int
-    state: str
+    state: RankState
     load: list[list[int]]  # tokens routed to each expert, per MoE layer, since the last rebalance
     running: int
     waiting: int
