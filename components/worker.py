@@ -15,9 +15,9 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import msgspec
 
@@ -154,6 +154,48 @@ def to_request(raw: dict[str, Any], max_len: int):
     )
 
 
+class StateError(RuntimeError):
+    """A control message that the rank's lifecycle state does not allow; nothing was applied."""
+
+
+class Rule(NamedTuple):
+    handler: Callable[..., Awaitable[ControlReply | None]]  # a RankServer method
+    valid: frozenset[RankState]  # the states the message is accepted in; any other refuses it
+    moves: dict[RankState, RankState]  # the lifecycle transitions it may make, from -> to
+
+
+RULES: dict[type, Rule] = {}  # control message type -> its rule, filled once by `handles`
+
+ANY_STATE = frozenset(RankState)
+# Weights in place, and the rank in a serving group, or joining or leaving one. The messages valid
+# in all of these are sent to some of them only (a joiner, or serving ranks): where in doubt a state
+# is allowed, since with weights in place they do no harm.
+HOLDING_WEIGHTS = frozenset({RankState.LOADED, RankState.WARMED, RankState.STAGED, RankState.ACTIVE, RankState.LEAVING})
+# A commit (Pause, Configure, Resume) reaches every rank its operation involves: a parked one too,
+# in the follow-up rebalance of the scale-down that parked it.
+IN_COMMITS = HOLDING_WEIGHTS | {RankState.PARKED}
+
+
+def handles(message: type, valid: Iterable[RankState], moves: Mapping[RankState, RankState] | None = None):
+    """Make the decorated RankServer method the handler of `message`, accepted in the `valid`
+    states only and making no lifecycle transition but `moves` (through RankServer.advance)."""
+
+    def register(fn):
+        RULES[message] = Rule(fn, frozenset(valid), dict(moves or {}))
+        return fn
+
+    return register
+
+
+def allowed(message: type, state: RankState) -> bool:
+    return state in RULES[message].valid
+
+
+def refusal(message: type, state: RankState) -> StateError:
+    valid = ", ".join(s.name for s in RankState if s in RULES[message].valid)
+    return StateError(f"{message.__name__} is not valid in state {state.name} (only in {valid})")
+
+
 class RankServer:
     def __init__(self, rank: int, cfg: Worker.Config, ctx: GraphContext, join: bool, snapshot: str = ""):
         self.rank, self.cfg, self.ctx, self.join, self.snapshot = rank, cfg, ctx, join, snapshot
@@ -235,7 +277,7 @@ class RankServer:
             paused=e.paused,
             routable=self.routable.is_set(),
             steps=e.steps,
-            state=self.life.state.name,
+            state=self.life.state,
             load=[moe.load.tolist() for _, moe in e.model.moe_layers],
             running=len(e.sched.running),
             waiting=len(e.sched.waiting),
@@ -319,104 +361,125 @@ class RankServer:
             if self.faults.exit_on and self.faults.exit_on == raw.get("type"):
                 log.error("rank %d: injected fault: exiting on %s", self.rank, self.faults.exit_on)
                 os._exit(17)
-            reply = await self._apply(msg) or ControlReply(ok=True)
+            kind, state = type(msg), self.life.state
+            if not allowed(kind, state):
+                raise refusal(kind, state)
+            reply = await RULES[kind].handler(self, msg) or ControlReply(ok=True)
             reply.status = self.status()
         except Exception as e:  # the router gets the reason; this rank keeps serving
-            log.exception("rank %d: control %s failed", self.rank, raw.get("type"))
+            # A refusal is the router's mistake and changed nothing here: no traceback to show.
+            log.error(
+                "rank %d: control %s failed: %s", self.rank, raw.get("type"), e, exc_info=not isinstance(e, StateError)
+            )
             reply = ControlReply(ok=False, error=f"{type(e).__name__}: {e}")
         yield encode(reply)
 
-    async def _apply(self, msg) -> ControlReply | None:
-        e = self.engine
-        on_loop = lambda fn: asyncio.wrap_future(e.call(fn))  # noqa: E731
-        if isinstance(msg, Describe):
-            return None
-        if isinstance(msg, Connect):
-            # Off the step loop: connecting joiners must not stall serving. The communicator
-            # serialises this against a collective in flight.
-            await asyncio.to_thread(e.comm.connect, msg.peers, msg.activate)
-            if self.life.state in (RankState.LOADED, RankState.WARMED) and self.rank not in e.comm.active:
-                self.life.transition(RankState.STAGED, f"connected to ranks {sorted(msg.peers)}, masked")
-        elif isinstance(msg, Disconnect):
-            await asyncio.to_thread(e.comm.disconnect, msg.ranks)
-        elif isinstance(msg, Pause):
-            await asyncio.wrap_future(e.pause())
-        elif isinstance(msg, Configure):
-            if not e.paused and self.rank in e.comm.active and len(e.comm.active) > 1:
-                raise RuntimeError("configure needs the group paused first")
-            if self.faults.stall_configure:
-                log.error("rank %d: injected fault: stalling configure %.1f s", self.rank, self.faults.stall_configure)
-                await asyncio.sleep(self.faults.stall_configure)
-            await on_loop(lambda: e.configure(msg.epoch, msg.active, msg.placement))
-        elif isinstance(msg, Resume):
-            await asyncio.wrap_future(e.resume())
-            if self.rank in e.comm.active and self.life.state in (RankState.LOADED, RankState.WARMED, RankState.STAGED):
-                self.life.transition(RankState.ACTIVE, f"epoch {e.epoch}, active {list(e.comm.active)}")
-            elif self.rank not in e.comm.active and self.life.state is RankState.LEAVING:
-                log.info("rank %d: out of the active set at epoch %d", self.rank, e.epoch)
-        elif isinstance(msg, SetRoutable):
-            if msg.routable and self.serving is None:
-                # Generate is first served here, not at start: until its group committed, a rank
-                # must not appear in routing even for a moment.
-                self.serving = asyncio.ensure_future(self.gen_ep.serve_endpoint(self.generate))
-                self.routable.set()
-            elif msg.routable:
-                await self.gen_ep.register_endpoint_instance()
-                self.routable.set()
-            else:
-                await self.gen_ep.unregister_endpoint_instance()
-                self.routable.clear()
-                if self.life.state is RankState.ACTIVE:
-                    self.life.transition(RankState.LEAVING, "out of routing")
-        elif isinstance(msg, LoadExperts):
-            await on_loop(lambda: e.load_experts(msg.placement))
-        elif isinstance(msg, ExportWeights):
-            manifest = await on_loop(lambda: self.store.manifest(msg.names))
-            return ControlReply(ok=True, manifest=manifest)
-        elif isinstance(msg, EndExport):
-            self.store.stop_serving()
-        elif isinstance(msg, PullWeights):
-            return await self._pull(msg)
-        elif isinstance(msg, Warmup):
-            seconds = await on_loop(lambda: e.warmup(msg.placement, recapture=msg.recapture))
-            if self.life.state in (RankState.LOADED, RankState.STAGED):
-                self.life.transition(RankState.WARMED, f"alone, remote peers masked, {seconds:.3f} s", msg.op)
-            return ControlReply(ok=True, seconds=seconds)
-        elif isinstance(msg, Drain):
-            return await self._drain(msg)
-        elif isinstance(msg, Park):
-            await self.relays_finished(msg.op)
-            await asyncio.to_thread(e.comm.disconnect, [r for r in e.comm.connected if r != self.rank])
-            if msg.checkpoint:
-                # No NIXL agent survives into a CUDA checkpoint: it then finds no transport state
-                # (UCX streams, events, peer connections) to save. A warm parked process keeps
-                # its agents, which spares its restore new UCX connections.
-                await asyncio.to_thread(e.comm.suspend)
-                await asyncio.to_thread(self.store.close)
-            if e.arena is not None:
-                await on_loop(e.release_memory)
-            self.life.transition(
-                RankState.PARKED,
-                "out of the group, weights dropped" + (", NIXL agents closed" if msg.checkpoint else ""),
-                msg.op,
-            )
-        elif isinstance(msg, Restore):
-            if e.arena is not None:
-                await on_loop(e.restore_memory)
-            if self.store.closed:
-                await asyncio.to_thread(e.comm.resume)
-                await asyncio.to_thread(self.open_store)
-            self.life.transition(RankState.RESTORED, "unparked", msg.op)
-        elif isinstance(msg, Exit):
-            await self.relays_finished(msg.op)
-            self.life.transition(RankState.EXITED, "asked to exit", msg.op)
-            self.exit.set()
-        return None
+    def advance(self, msg, to: RankState, reason: str) -> None:
+        """Move to `to` if the rule of `msg` declares that move from the current state; in the
+        other states the message is valid in, the rank stays where it is."""
+        if RULES[type(msg)].moves.get(self.life.state) is to:
+            self.life.transition(to, reason, getattr(msg, "op", "-"))
 
-    async def _pull(self, msg: PullWeights) -> ControlReply:
+    def on_loop(self, fn) -> asyncio.Future:
+        return asyncio.wrap_future(self.engine.call(fn))
+
+    @handles(Describe, ANY_STATE)
+    async def on_describe(self, msg: Describe) -> None:
+        """Only the status every reply carries: discovery and the router's refresh ask any rank."""
+
+    @handles(
+        Connect,
+        HOLDING_WEIGHTS,
+        {RankState.LOADED: RankState.STAGED, RankState.WARMED: RankState.STAGED},
+    )
+    async def on_connect(self, msg: Connect) -> None:
+        """A joiner, or a first rank (to the others), is staged: connected, still masked. Serving
+        ranks connect joiners and stay as they are."""
+        # Off the step loop: connecting joiners must not stall serving. The communicator
+        # serialises this against a collective in flight.
+        await asyncio.to_thread(self.engine.comm.connect, msg.peers, msg.activate)
+        self.advance(msg, RankState.STAGED, f"connected to ranks {sorted(msg.peers)}, masked")
+
+    @handles(Disconnect, HOLDING_WEIGHTS)
+    async def on_disconnect(self, msg: Disconnect) -> None:
+        """Serving ranks forget leaving ranks (cleanup) or joiners (abort)."""
+        await asyncio.to_thread(self.engine.comm.disconnect, msg.ranks)
+
+    @handles(Pause, IN_COMMITS)
+    async def on_pause(self, msg: Pause) -> None:
+        await asyncio.wrap_future(self.engine.pause())
+
+    @handles(Configure, IN_COMMITS)
+    async def on_configure(self, msg: Configure) -> None:
+        e = self.engine
+        if not e.paused and self.rank in e.comm.active and len(e.comm.active) > 1:
+            raise RuntimeError("configure needs the group paused first")
+        if self.faults.stall_configure:
+            log.error("rank %d: injected fault: stalling configure %.1f s", self.rank, self.faults.stall_configure)
+            await asyncio.sleep(self.faults.stall_configure)
+        await self.on_loop(lambda: e.configure(msg.epoch, msg.active, msg.placement))
+
+    @handles(
+        Resume,
+        IN_COMMITS,
+        {RankState.LOADED: RankState.ACTIVE, RankState.WARMED: RankState.ACTIVE, RankState.STAGED: RankState.ACTIVE},
+    )
+    async def on_resume(self, msg: Resume) -> None:
+        """A rank the commit made active serves from here on; a joiner that a rollback configured
+        out stays where it was."""
+        e = self.engine
+        await asyncio.wrap_future(e.resume())
+        if self.rank in e.comm.active:
+            self.advance(msg, RankState.ACTIVE, f"epoch {e.epoch}, active {list(e.comm.active)}")
+        elif self.life.state is RankState.LEAVING:
+            log.info("rank %d: out of the active set at epoch %d", self.rank, e.epoch)
+
+    @handles(
+        SetRoutable,
+        {RankState.ACTIVE, RankState.LEAVING},
+        {RankState.ACTIVE: RankState.LEAVING, RankState.LEAVING: RankState.ACTIVE},
+    )
+    async def on_set_routable(self, msg: SetRoutable) -> None:
+        if not msg.routable:
+            await self.gen_ep.unregister_endpoint_instance()
+            self.routable.clear()
+            self.advance(msg, RankState.LEAVING, "out of routing")
+            return
+        if self.serving is None:
+            # Generate is first served here, not at start: until its group committed, a rank
+            # must not appear in routing even for a moment.
+            self.serving = asyncio.ensure_future(self.gen_ep.serve_endpoint(self.generate))
+        else:
+            await self.gen_ep.register_endpoint_instance()
+        self.routable.set()
+        # A scale-down that aborts puts its leaving ranks back: they never left the active set.
+        self.advance(msg, RankState.ACTIVE, "back into routing")
+
+    @handles(LoadExperts, {RankState.LOADED, RankState.WARMED, RankState.STAGED})
+    async def on_load_experts(self, msg: LoadExperts) -> None:
+        """The first ranks' cold start (connected to each other by then); joiners pull instead."""
+        await self.on_loop(lambda: self.engine.load_experts(msg.placement))
+
+    # Exporting changes nothing on this rank: allowed in any state.
+    @handles(ExportWeights, ANY_STATE)
+    async def on_export_weights(self, msg: ExportWeights) -> ControlReply:
+        manifest = await self.on_loop(lambda: self.store.manifest(msg.names))
+        return ControlReply(ok=True, manifest=manifest)
+
+    @handles(EndExport, ANY_STATE)
+    async def on_end_export(self, msg: EndExport) -> None:
+        self.store.stop_serving()
+
+    @handles(
+        PullWeights,
+        {RankState.BOOTING, RankState.RESTORED} | HOLDING_WEIGHTS,
+        {RankState.BOOTING: RankState.LOADED, RankState.RESTORED: RankState.LOADED},
+    )
+    async def on_pull_weights(self, msg: PullWeights) -> ControlReply:
+        """A joiner pulls all its weights; a serving rank pulls the expert slots a new map changes
+        (migrations, rebalances) and stays as it is."""
         from components.engine.weight_store import WeightTransferError
 
-        state = self.life.state
         stats = await asyncio.to_thread(self.store.pull, msg.items, msg.sources)
         if self.faults.corrupt_pull:
             log.error("rank %d: injected fault: corrupting a pulled tensor", self.rank)
@@ -437,11 +500,25 @@ class RankServer:
             stats.gbps,
             sorted(stats.per_source),
         )
-        if state in (RankState.BOOTING, RankState.RESTORED):
-            self.life.transition(RankState.LOADED, f"weights pulled from ranks {sorted(stats.per_source)}", msg.op)
+        self.advance(msg, RankState.LOADED, f"weights pulled from ranks {sorted(stats.per_source)}")
         return ControlReply(ok=True, pull=stats, seconds=stats.seconds)
 
-    async def _drain(self, msg: Drain) -> ControlReply:
+    @handles(
+        Warmup,
+        {RankState.LOADED, RankState.WARMED, RankState.STAGED, RankState.ACTIVE},
+        {RankState.LOADED: RankState.WARMED, RankState.STAGED: RankState.WARMED},
+    )
+    async def on_warmup(self, msg: Warmup) -> ControlReply:
+        """Mode C warms a joiner before connecting it; modes A and B warm it once staged, and a
+        scale-down's remaining (active) ranks, inside the pause. Warming a WARMED rank again is
+        harmless, so allowed."""
+        e = self.engine
+        seconds = await self.on_loop(lambda: e.warmup(msg.placement, recapture=msg.recapture))
+        self.advance(msg, RankState.WARMED, f"alone, remote peers masked, {seconds:.3f} s")
+        return ControlReply(ok=True, seconds=seconds)
+
+    @handles(Drain, {RankState.LEAVING})
+    async def on_drain(self, msg: Drain) -> ControlReply:
         e = self.engine
         deadline = time.monotonic() + msg.timeout_s
         while (e.sched.running or e.sched.waiting or self.streams) and time.monotonic() < deadline:
@@ -453,6 +530,45 @@ class RankServer:
             q.put_nowait(Handover(msg.targets[i % len(msg.targets)]))
         log.info("[op %s] rank %d: drained; %d request(s) handed over", msg.op, self.rank, len(handed))
         return ControlReply(ok=True, handed_over=len(handed))
+
+    @handles(Park, {RankState.LEAVING}, {RankState.LEAVING: RankState.PARKED})
+    async def on_park(self, msg: Park) -> None:
+        e = self.engine
+        await self.relays_finished(msg.op)
+        await asyncio.to_thread(e.comm.disconnect, [r for r in e.comm.connected if r != self.rank])
+        if msg.checkpoint:
+            # No NIXL agent survives into a CUDA checkpoint: it then finds no transport state
+            # (UCX streams, events, peer connections) to save. A warm parked process keeps
+            # its agents, which spares its restore new UCX connections.
+            await asyncio.to_thread(e.comm.suspend)
+            await asyncio.to_thread(self.store.close)
+        if e.arena is not None:
+            await self.on_loop(e.release_memory)
+        self.advance(
+            msg,
+            RankState.PARKED,
+            "out of the group, weights dropped" + (", NIXL agents closed" if msg.checkpoint else ""),
+        )
+
+    @handles(Restore, {RankState.PARKED}, {RankState.PARKED: RankState.RESTORED})
+    async def on_restore(self, msg: Restore) -> None:
+        e = self.engine
+        if e.arena is not None:
+            await self.on_loop(e.restore_memory)
+        if self.store.closed:
+            await asyncio.to_thread(e.comm.resume)
+            await asyncio.to_thread(self.open_store)
+        self.advance(msg, RankState.RESTORED, "unparked")
+
+    @handles(
+        Exit,
+        {RankState.STAGED, RankState.LEAVING},
+        {RankState.STAGED: RankState.EXITED, RankState.LEAVING: RankState.EXITED},
+    )
+    async def on_exit(self, msg: Exit) -> None:
+        await self.relays_finished(msg.op)
+        self.advance(msg, RankState.EXITED, "asked to exit")
+        self.exit.set()
 
     async def relays_finished(self, op: str) -> None:
         """Requests handed over still stream through this rank: let them finish (bounded)."""

@@ -1,9 +1,14 @@
 """The rank lifecycle as an explicit state machine (docs/design.md, "The rank lifecycle").
 
 BOOTING -> RESTORED -> LOADED -> WARMED -> STAGED -> ACTIVE -> LEAVING -> PARKED | EXITED, and any
-state -> FAILED. A cold start skips RESTORED; the first ranks of a deployment go LOADED -> ACTIVE
-because there is no serving group to stage into yet; the comparison modes A and B stage a joiner
-before warming it (LOADED -> STAGED -> WARMED -> ACTIVE).
+state -> FAILED. A cold start skips RESTORED; the first ranks of a deployment are not warmed up
+(LOADED -> STAGED -> ACTIVE); the comparison modes A and B stage a joiner before warming it
+(LOADED -> STAGED -> WARMED -> ACTIVE); a scale-down that aborts puts its leaving ranks back
+(LEAVING -> ACTIVE). Which control message makes which move is declared by the worker's handlers
+(components/worker.py, `handles`).
+
+RankState is a str enum whose values are its names: RankStatus carries it as that name, and it
+compares and formats as that name, so /topology and the router's logs read as they did.
 """
 
 from __future__ import annotations
@@ -14,17 +19,17 @@ import logging
 log = logging.getLogger(__name__)
 
 
-class RankState(enum.IntEnum):
-    BOOTING = 0
-    RESTORED = 1
-    LOADED = 2
-    WARMED = 3  # warmed up with remote peers masked
-    STAGED = 4  # connected to the serving group, still masked
-    ACTIVE = 5
-    LEAVING = 6
-    PARKED = 7
-    EXITED = 8
-    FAILED = 9
+class RankState(enum.StrEnum):
+    BOOTING = "BOOTING"
+    RESTORED = "RESTORED"
+    LOADED = "LOADED"
+    WARMED = "WARMED"  # warmed up with remote peers masked
+    STAGED = "STAGED"  # connected to the serving group, still masked
+    ACTIVE = "ACTIVE"
+    LEAVING = "LEAVING"
+    PARKED = "PARKED"
+    EXITED = "EXITED"
+    FAILED = "FAILED"
 
 
 _NEXT: dict[RankState, set[RankState]] = {
@@ -35,6 +40,7 @@ _NEXT: dict[RankState, set[RankState]] = {
     # Modes A and B connect a joiner first and warm it up inside the commit's pause.
     RankState.STAGED: {RankState.WARMED, RankState.ACTIVE, RankState.EXITED},
     RankState.ACTIVE: {RankState.LEAVING},
+    # Back to ACTIVE: a scale-down that aborts puts its leaving ranks back into routing.
     RankState.LEAVING: {RankState.PARKED, RankState.EXITED, RankState.ACTIVE},
     RankState.PARKED: {RankState.RESTORED},
     RankState.EXITED: set(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from components.protocol.lifecycle import RankState
 from components.protocol.placement import Placement
 from components.protocol.transfer import PullItem, PullStats, WeightManifest
 
@@ -131,7 +132,7 @@ class RankSummary(msgspec.Struct, kw_only=True):
     rank: int
     pid: int
     instance_id: int
-    state: str
+    state: RankState
     routable: bool
     paused: bool
     epoch: int
