@@ -60,6 +60,9 @@ def test_scale_under_traffic_loses_nothing(server, reference):
     for p, toks, _, _ in traffic.results:
         assert toks == reference[p], f"prompt {p}"
     for op in ops:
+        # The follow-up EPLB moved experts after every scale-up and scale-down, and nothing failed.
+        assert op["followup_error"] == "" and op["rebalance_downtime_s"] is not None, op
+        assert "migrating" in op["phases"] and op["pull_bytes"] > 0, op
         # Requests were in flight across every commit, and the commit is short.
         assert any(t0 < op["committed_at"] < t1 for _, _, t0, t1 in traffic.results), op
         assert op["downtime_s"] < 2.0, op

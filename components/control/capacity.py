@@ -56,6 +56,9 @@ class LocalProvider:
         self.checkpoint_parked = bool(ctx.configs.get("Router", {}).get("checkpoint_parked", False))
         self.procs: dict[int, Child] = {}
         self.parked: dict[int, tuple[int, bool]] = {}  # rank -> (pid, CUDA state checkpointed)
+        # Ranks restored from parked that `dynamo serve` started (not in procs): an abort must
+        # still be able to stop them, or the next scale-up starts a second process for the rank.
+        self.restored: dict[int, int] = {}  # rank -> pid
 
     @functools.cached_property
     def checkpoints_parked(self) -> bool:
@@ -66,6 +69,7 @@ class LocalProvider:
     async def park(self, rank: int, pid: int, op: str) -> None:
         from snapshot import cuda_checkpoint
 
+        self.restored.pop(rank, None)
         checkpointed = False
         if self.checkpoints_parked:
             t = await asyncio.to_thread(cuda_checkpoint.checkpoint, pid)
@@ -90,6 +94,8 @@ class LocalProvider:
                 return False
             log.info("[op %s] Worker.%d CUDA state restored in %.3f s", op, rank, sum(t.values()))
         del self.parked[rank]
+        if rank not in self.procs:
+            self.restored[rank] = pid
         return True
 
     def snapshot_for(self, rank: int, op: str) -> str:
@@ -143,7 +149,7 @@ class LocalProvider:
         return None if child is None else child.alive()
 
     async def release(self, rank: int, op: str, graceful: bool = True) -> None:
-        pid, _ = self.parked.pop(rank, (None, False))
+        pid, _ = self.parked.pop(rank, (self.restored.pop(rank, None), False))
         child = self.procs.pop(rank, None)
         if child is None:
             if pid is not None and not graceful:  # a parked rank that `dynamo serve` started
