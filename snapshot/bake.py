@@ -23,6 +23,7 @@ import msgspec
 from snapshot.manifest import (
     SnapshotManifest,
     SnapshotTarget,
+    check_creatable,
     check_destination,
     now_iso,
     write_snapshot,
@@ -132,6 +133,22 @@ def target_for_engine(eng) -> SnapshotTarget:
     )
 
 
+def _check_redundant(model_dir: str, min_ranks: int, redundant: int) -> None:
+    """The engine caps a rank's expert slots at the model's expert count; refuse the redundant
+    experts that cap would silently drop rather than record a value that changed nothing."""
+    from components.engine.checkpoint import Checkpoint
+    from components.protocol.placement import slots_needed
+
+    if redundant < 0:
+        raise ValueError(f"redundant_experts must be at least 0, got {redundant}")
+    experts = Checkpoint.open(model_dir).config.num_experts
+    if slots_needed(experts, min_ranks, redundant) > experts:
+        raise ValueError(
+            f"redundant_experts {redundant} does not fit: {min_ranks} rank(s) of at most {experts} expert "
+            f"slots (the model's experts) hold at most {experts * (min_ranks - 1)} redundant experts"
+        )
+
+
 def new_snapshot_id(model_name: str, identity: str) -> str:
     slug = re.sub(r"[^A-Za-z0-9]+", "-", model_name.rsplit("/", 1)[-1]).strip("-").lower() or "model"
     return f"{slug}-{identity[:8]}-{uuid.uuid4().hex[:8]}"
@@ -164,9 +181,17 @@ def bake(
         device = "cuda:0"
     if not 1 <= min_ranks <= max_ranks:
         raise ValueError(f"min_ranks ({min_ranks}) must be in 1..max_ranks ({max_ranks})")
+    if cuda_graph_sizes and not device.startswith("cuda"):
+        raise ValueError(f"cuda_graph_sizes are captured on CUDA only, not on {device}")
+    if cuda_graph_sizes and max(cuda_graph_sizes) > max_seqs:
+        raise ValueError(f"cuda_graph_sizes: {max(cuda_graph_sizes)} exceeds max_seqs ({max_seqs})")
+    # Fail before the expensive part.
     if out is not None:
-        check_destination(out, force)  # fail before the expensive part
+        check_destination(out, force)
+    else:
+        check_creatable(root or default_root())
     src, name = model_source(model_dir, model_name)
+    _check_redundant(src, min_ranks, redundant_experts)
     extra = {} if cuda_graph_sizes is None else {"cuda_graph_sizes": tuple(cuda_graph_sizes)}
     cfg = rank_config(
         device=device,

@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
 PROG = "snapshot-bake"
+# Bounds far above any real deployment, low enough that a slip (a few zeros too many) is refused at
+# once instead of running into an allocation that fails, or exhausts the machine.
+MAX_RANKS, MAX_SEQS, MAX_BATCHED_TOKENS = 1024, 4096, 1 << 17
 
 
 class UsageError(Exception):
     pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments in the same one line as every other bad input (argparse prints its usage
+    block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
 
 
 def _human(n: int) -> str:
@@ -26,7 +38,7 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _at_least(lo: int):
+def _int_in(lo: int, hi: int | None = None):
     def parse(s: str) -> int:
         try:
             v = int(s)
@@ -34,19 +46,21 @@ def _at_least(lo: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be at least {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"must be at most {hi}, got {v}")
         return v
 
     return parse
 
 
-_positive, _count = _at_least(1), _at_least(0)
+_ranks, _count = _int_in(1, MAX_RANKS), _int_in(0)
 
 
 def _sizes(s: str) -> tuple[int, ...]:
     if s.strip() in ("", "none"):
         return ()
     try:
-        return tuple(sorted({_positive(x) for x in s.split(",")}))
+        return tuple(sorted({_int_in(1, MAX_SEQS)(x) for x in s.split(",")}))
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"batch sizes as a comma-separated list: {e}") from None
 
@@ -55,23 +69,26 @@ def _sizes(s: str) -> tuple[int, ...]:
 
 
 def cmd_bake(a) -> int:
-    from snapshot.manifest import SnapshotError, check_destination
+    from snapshot.bake import default_root
+    from snapshot.manifest import SnapshotError, check_creatable, check_destination
 
     # Cheap checks first: no torch import for a mistyped path.
     if a.model and not Path(a.model).exists():
         raise UsageError(f"{Path(a.model).absolute()}: no such directory")
-    if a.out:
-        try:
+    try:
+        if a.out:
             check_destination(a.out, a.force)
-        except SnapshotError as e:
-            raise UsageError(str(e)) from None
+        else:
+            check_creatable(a.root or default_root())
+    except SnapshotError as e:
+        raise UsageError(str(e)) from None
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, not {a.device!r}")
     if a.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA GPU is available on this machine")
-    elif a.device != "cpu":
-        raise UsageError(f"--device must be cpu or cuda, not {a.device!r}")
     if not 1 <= a.min_ranks <= a.max_ranks:
         raise UsageError(f"--min-ranks ({a.min_ranks}) must be in 1..--max-ranks ({a.max_ranks})")
     from components.engine.checkpoint import CheckpointError
@@ -97,6 +114,12 @@ def cmd_bake(a) -> int:
         )
     except (CheckpointError, SnapshotError, ValueError) as e:
         raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
+    except RuntimeError as e:  # torch's allocators, for a configuration too large for this machine
+        if "allocate" not in str(e):
+            raise
+        raise UsageError(f"not enough memory for this configuration: {str(e).splitlines()[0]}") from None
     from snapshot.manifest import snapshot_size
 
     print(f"baked {path}")
@@ -110,10 +133,14 @@ def cmd_bake(a) -> int:
 
 def cmd_list(a) -> int:
     from snapshot.bake import default_root
+    from snapshot.manifest import SnapshotError
     from snapshot.store import list_snapshots
 
     root = Path(a.root) if a.root else default_root()
-    infos = list_snapshots(root)
+    try:
+        infos = list_snapshots(root)
+    except SnapshotError as e:
+        raise UsageError(str(e)) from None
     if not infos:
         print(f"no snapshots under {root}")
         return 0
@@ -121,7 +148,7 @@ def cmd_list(a) -> int:
     for i in infos:
         m = i.manifest
         if m is None:
-            rows.append(("?", "?", "(invalid manifest)", "?", "?", _human(i.size_bytes), i.path))
+            rows.append(("?", "?", "(invalid)", "?", "?", _human(i.size_bytes), i.path))
         else:
             rows.append((m.snapshot_id, m.tier, m.model_name, m.device_type, m.created, _human(i.size_bytes), i.path))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
@@ -131,9 +158,13 @@ def cmd_list(a) -> int:
 
 
 def _dir(a):
+    from snapshot.manifest import SnapshotError
     from snapshot.store import resolve
 
-    return resolve(a.dir, a.root)
+    try:
+        return resolve(a.dir, a.root)
+    except SnapshotError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_inspect(a) -> int:
@@ -225,7 +256,7 @@ def cmd_tiers(a) -> int:
 def parser() -> argparse.ArgumentParser:
     from snapshot.bake import DEFAULTS
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=PROG,
         description="Bake and manage worker snapshots (initialised engine state without "
         "weights) that joining ranks restore from instead of cold-starting.",
@@ -259,17 +290,17 @@ def parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--max-ranks",
-        type=_positive,
+        type=_ranks,
         default=DEFAULTS["max_ranks"],
         help="most ranks the deployment can grow to (default: %(default)s)",
     )
     b.add_argument(
         "--min-ranks",
-        type=_positive,
+        type=_ranks,
         default=DEFAULTS["min_ranks"],
         help="fewest ranks it can shrink to; sizes the expert slots (default: %(default)s)",
     )
-    b.add_argument("--max-seqs", type=_positive, default=DEFAULTS["max_seqs"], help="default: %(default)s")
+    b.add_argument("--max-seqs", type=_int_in(1, MAX_SEQS), default=DEFAULTS["max_seqs"], help="default: %(default)s")
     b.add_argument(
         "--max-len",
         type=_count,
@@ -277,9 +308,17 @@ def parser() -> argparse.ArgumentParser:
         help="longest sequence; 0 = the model's context length, capped by memory (default: %(default)s)",
     )
     b.add_argument(
-        "--max-batched-tokens", type=_positive, default=DEFAULTS["max_batched_tokens"], help="default: %(default)s"
+        "--max-batched-tokens",
+        type=_int_in(1, MAX_BATCHED_TOKENS),
+        default=DEFAULTS["max_batched_tokens"],
+        help="default: %(default)s",
     )
-    b.add_argument("--redundant-experts", type=int, default=0, help="default: %(default)s")
+    b.add_argument(
+        "--redundant-experts",
+        type=_count,
+        default=0,
+        help="extra expert copies spread over --min-ranks ranks (default: %(default)s)",
+    )
     b.add_argument(
         "--cuda-graph-sizes",
         type=_sizes,

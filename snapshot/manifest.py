@@ -3,7 +3,10 @@
 A snapshot is a directory: ``manifest.json`` plus the files it lists (relative path -> sha256).
 It is written atomically (temporary directory + rename), so a directory that holds a
 ``manifest.json`` was completely written; ``verify`` recomputes the checksums to catch later
-damage. A joiner accepts a snapshot only when ``check_compatible`` finds every field that shapes
+damage. Reading one trusts nothing in it: only regular files inside the directory are read, every
+path component opened without following symbolic links, so a manifest that names ``../x`` or a
+file replaced by a link, FIFO or device is refused by name instead of read, followed or blocked
+on. A joiner accepts a snapshot only when ``check_compatible`` finds every field that shapes
 the restored state (model, parallel config, GPU type, driver, graph shapes) equal to what its
 deployment expects; the error names every field that differs, with both values.
 """
@@ -14,14 +17,16 @@ import datetime as _dt
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+MANIFEST_MAX_BYTES = 1 << 20  # a real one is ~1 KiB; more is not a manifest, and is not read whole
 Tier = Literal["artifacts", "parked", "criu"]
 TIERS: tuple[str, ...] = ("artifacts", "parked", "criu")
 
@@ -58,7 +63,7 @@ class SnapshotTarget(msgspec.Struct, kw_only=True):
     cuda_graph_sizes: list[int] = []
 
 
-class SnapshotManifest(SnapshotTarget, kw_only=True):
+class SnapshotManifest(SnapshotTarget, kw_only=True, forbid_unknown_fields=True):
     """A snapshot: what it was baked for (the SnapshotTarget fields) and what it holds."""
 
     format_version: int = FORMAT_VERSION
@@ -68,7 +73,8 @@ class SnapshotManifest(SnapshotTarget, kw_only=True):
     model_name: str
     architecture: str
     warmup_seconds: float = 0.0
-    files: dict[str, str] = {}  # relative path -> sha256 of every other file in the snapshot dir
+    # relative path -> sha256 of every other file in the snapshot dir
+    files: dict[str, Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]] = {}
     weights_included: bool = False
 
 
@@ -120,71 +126,157 @@ def check_compatible(
 
 # ---- files --------------------------------------------------------------------------------------
 
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO swapped in between the lstat and the open must not wait for a writer.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _check_name(name: str) -> str:
     p = Path(name)
-    if not name or p.is_absolute() or ".." in p.parts or name != p.as_posix() or name == MANIFEST_NAME:
+    if (
+        not p.parts
+        or "\0" in name
+        or p.is_absolute()
+        or ".." in p.parts
+        or name != p.as_posix()
+        or name == MANIFEST_NAME
+    ):
         raise ValueError(
             f"invalid snapshot file name {name!r} (a relative path inside the snapshot, not {MANIFEST_NAME})"
         )
     return name
 
 
-def load_manifest(dir: str | os.PathLike) -> SnapshotManifest:
-    """The manifest of the snapshot in `dir`; SnapshotCorrupt when there is none or it is invalid."""
-    d = Path(dir)
-    if not d.exists():
-        raise SnapshotCorrupt(f"snapshot {d}: no such directory")
-    if not d.is_dir():
-        raise SnapshotCorrupt(f"snapshot {d}: not a directory")
-    mpath = d / MANIFEST_NAME
+def _open_dir(d: Path) -> int:
     try:
-        raw = mpath.read_bytes()
+        return os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SnapshotCorrupt(f"snapshot {d}: no such directory") from None
+    except NotADirectoryError:
+        raise SnapshotCorrupt(f"snapshot {d}: not a directory") from None
+    except OSError as e:
+        raise SnapshotCorrupt(f"snapshot {d}: unreadable ({e.strerror or e})") from None
+
+
+def _open_member(dfd: int, name: str, where: str) -> int:
+    """A read-only descriptor of the regular file `name` (a _check_name'd relative path) below the
+    directory `dfd`. Each component is lstat'ed, then opened relative to its parent with
+    O_NOFOLLOW, so nothing outside the directory is reached and only a regular file is ever opened
+    (a device never is). FileNotFoundError when it is missing; SnapshotCorrupt `where: why` else."""
+    parts = name.split("/")
+    opened: list[int] = []
+    try:
+        at = dfd
+        for i, part in enumerate(parts):
+            mode = os.stat(part, dir_fd=at, follow_symlinks=False).st_mode
+            last = i == len(parts) - 1
+            if not (stat.S_ISREG(mode) if last else stat.S_ISDIR(mode)):
+                what = "" if last else "/".join(parts[: i + 1]) + " is "
+                want = "a regular file" if last else "a directory"
+                raise SnapshotCorrupt(f"{where}: {what}{_KINDS.get(stat.S_IFMT(mode), 'special')}, not {want}")
+            at = os.open(part, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd=at)
+            opened.append(at)
+        if not stat.S_ISREG(os.fstat(at).st_mode):  # replaced between the lstat and the open
+            raise SnapshotCorrupt(f"{where}: changed while it was opened, not a regular file")
+        return opened.pop()
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ELOOP: a link swapped in between the lstat and the open
+        raise SnapshotCorrupt(f"{where}: unreadable ({e.strerror or e})") from None
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _load(dfd: int, d: Path) -> SnapshotManifest:
+    where = f"snapshot {d}: {MANIFEST_NAME}"
+    try:
+        fd = _open_member(dfd, MANIFEST_NAME, where)
     except FileNotFoundError:
         raise SnapshotCorrupt(
             f"snapshot {d}: {MANIFEST_NAME} is missing (not a snapshot, or one whose manifest was deleted)"
         ) from None
-    except OSError as e:
-        raise SnapshotCorrupt(f"snapshot {d}: {mpath}: unreadable ({e.strerror or e})") from None
     try:
-        return msgspec.json.decode(raw, type=SnapshotManifest)
+        with open(fd, "rb") as f:
+            raw = f.read(MANIFEST_MAX_BYTES + 1)
+    except OSError as e:
+        raise SnapshotCorrupt(f"{where}: unreadable ({e.strerror or e})") from None
+    if len(raw) > MANIFEST_MAX_BYTES:
+        raise SnapshotCorrupt(f"{where}: over {MANIFEST_MAX_BYTES} bytes, not a snapshot manifest")
+    try:
+        m = msgspec.json.decode(raw, type=SnapshotManifest)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise SnapshotCorrupt(f"snapshot {d}: {mpath}: invalid manifest ({e})") from None
+        raise SnapshotCorrupt(f"{where}: invalid manifest ({e})") from None
+    for name in m.files:
+        try:
+            _check_name(name)
+        except ValueError:
+            raise SnapshotCorrupt(
+                f"{where}: invalid manifest (lists {name!r}, not a relative path inside the snapshot)"
+            ) from None
+    return m
 
 
-def _files_on_disk(d: Path) -> set[str]:
+def load_manifest(dir: str | os.PathLike) -> SnapshotManifest:
+    """The manifest of the snapshot in `dir`; SnapshotCorrupt when there is none or it is invalid."""
+    d = Path(dir)
+    dfd = _open_dir(d)
+    try:
+        return _load(dfd, d)
+    finally:
+        os.close(dfd)
+
+
+def _entries(dfd: int, prefix: str = "") -> set[str]:
+    """Relative paths of everything below `dfd` but directories (so links, FIFOs and devices are
+    listed too), walked without following links."""
     out = set()
-    for root, _dirs, files in os.walk(d):
-        for f in files:
-            rel = (Path(root) / f).relative_to(d).as_posix()
-            if rel != MANIFEST_NAME:
-                out.add(rel)
+    with os.scandir(dfd) as it:
+        for e in it:
+            if e.is_dir(follow_symlinks=False):
+                sub = os.open(e.name, _DIR_FLAGS, dir_fd=dfd)
+                try:
+                    out |= _entries(sub, f"{prefix}{e.name}/")
+                finally:
+                    os.close(sub)
+            elif prefix or e.name != MANIFEST_NAME:
+                out.add(prefix + e.name)
     return out
 
 
 def verify(dir: str | os.PathLike) -> SnapshotManifest:
     """Recompute every checksum; SnapshotCorrupt names the first bad file. Returns the manifest."""
     d = Path(dir)
-    m = load_manifest(d)
-    for name, digest in sorted(m.files.items()):
-        f = d / name
-        if not f.is_file():
-            raise SnapshotCorrupt(f"snapshot {d}: {name}: missing (listed in {MANIFEST_NAME})")
+    dfd = _open_dir(d)
+    try:
+        m = _load(dfd, d)
+        for name, digest in sorted(m.files.items()):
+            where = f"snapshot {d}: {name}"
+            try:
+                fd = _open_member(dfd, name, where)
+            except FileNotFoundError:
+                raise SnapshotCorrupt(f"{where}: missing (listed in {MANIFEST_NAME})") from None
+            try:
+                with open(fd, "rb") as f:
+                    actual = hashlib.file_digest(f, "sha256").hexdigest()
+            except OSError as e:
+                raise SnapshotCorrupt(f"{where}: unreadable ({e.strerror or e})") from None
+            if actual != digest:
+                raise SnapshotCorrupt(f"{where}: checksum mismatch (tampered or corrupt)")
         try:
-            actual = sha256_file(f)
+            extra = sorted(_entries(dfd) - set(m.files))
         except OSError as e:
-            raise SnapshotCorrupt(f"snapshot {d}: {name}: unreadable ({e.strerror or e})") from None
-        if actual != digest:
-            raise SnapshotCorrupt(f"snapshot {d}: {name}: checksum mismatch (tampered or corrupt)")
-    extra = sorted(_files_on_disk(d) - set(m.files))
+            raise SnapshotCorrupt(f"snapshot {d}: unreadable ({e.strerror or e})") from None
+    finally:
+        os.close(dfd)
     if extra:
         raise SnapshotCorrupt(f"snapshot {d}: {extra[0]}: unexpected file (not in {MANIFEST_NAME})")
     return m
@@ -194,18 +286,38 @@ def encode_manifest(m: SnapshotManifest) -> bytes:
     return msgspec.json.format(msgspec.json.encode(m), indent=2) + b"\n"
 
 
+def check_creatable(dir: str | os.PathLike) -> None:
+    """Raise SnapshotError unless a directory can be made at `dir` (in it, when it is a directory
+    already): its nearest existing ancestor must be a directory this process can write to. Tried
+    (a directory made there and removed) rather than guessed from permission bits, which root
+    ignores while /proc, read-only mounts and the like still refuse."""
+    p = Path(dir).absolute()
+    while not os.path.lexists(p):
+        p = p.parent
+    if not p.is_dir():
+        raise SnapshotError(f"{dir}: cannot be created: {p} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=p))
+    except OSError as e:
+        raise SnapshotError(f"{dir}: cannot be created: {p} is not writable ({e.strerror or e})") from None
+
+
 def check_destination(dir: str | os.PathLike, force: bool = False) -> bool:
-    """Raise SnapshotExists unless a snapshot may be written to `dir`; True when it would replace
-    an existing directory (only with `force`, and only an empty one or a snapshot)."""
+    """Raise SnapshotError (SnapshotExists when something is in the way) unless a snapshot may be
+    written to `dir`; True when it would replace an existing directory (only with `force`, and only
+    an empty one or a snapshot)."""
     d = Path(dir)
     if not (d.exists() or d.is_symlink()):
+        check_creatable(d)
         return False
     if d.is_symlink() or not d.is_dir():
         raise SnapshotExists(f"{d}: exists and is not a directory")
     if not force:
         raise SnapshotExists(f"{d}: already exists (use --force to replace it)")
-    if any(d.iterdir()) and not (d / MANIFEST_NAME).is_file():
+    manifest = d / MANIFEST_NAME
+    if any(d.iterdir()) and not (manifest.is_file() and not manifest.is_symlink()):
         raise SnapshotExists(f"{d}: exists and is not a snapshot (no {MANIFEST_NAME}); refusing to replace it")
+    check_creatable(d.parent)
     return True
 
 
@@ -270,7 +382,7 @@ def snapshot_size(dir: str | os.PathLike) -> int:
     for root, _, files in os.walk(dir):
         for f in files:
             try:
-                total += (Path(root) / f).stat().st_size
+                total += os.lstat(Path(root) / f).st_size  # a link's own size: never followed
             except OSError:
                 pass
     return total

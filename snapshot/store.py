@@ -35,13 +35,25 @@ class SnapshotInfo(msgspec.Struct):
 
 def list_snapshots(root: str | os.PathLike | None = None) -> list[SnapshotInfo]:
     """Every snapshot directly under `root` (hidden directories, such as a write in progress,
-    skipped), newest first; those with a broken manifest are listed with `error` set."""
+    skipped), newest first; those with a broken manifest, and links (never followed: a snapshot
+    restored from the store lies inside it), are listed with `error` set. SnapshotError when
+    `root` cannot be read."""
     r = Path(root) if root is not None else default_root()
     if not r.is_dir():
         return []
+    try:
+        entries = sorted(r.iterdir())
+    except OSError as e:
+        raise SnapshotError(f"snapshot store {r}: unreadable ({e.strerror or e})") from None
     out: list[SnapshotInfo] = []
-    for d in sorted(r.iterdir()):
-        if d.name.startswith(".") or not d.is_dir() or not (d / MANIFEST_NAME).exists():
+    for d in entries:
+        if d.name.startswith("."):
+            continue
+        if d.is_symlink():
+            if d.is_dir():
+                out.append(SnapshotInfo(str(d), None, 0, f"snapshot {d}: a symbolic link, not followed"))
+            continue
+        if not d.is_dir() or not os.path.lexists(d / MANIFEST_NAME):
             continue
         try:
             m, err = load_manifest(d), ""
@@ -63,7 +75,11 @@ def find_compatible(
     `check_files`, checksums are verified too, so a damaged snapshot is refused, not restored."""
     ok: list[SnapshotInfo] = []
     refused: dict[str, str] = {}
-    for info in list_snapshots(root):
+    try:
+        infos = list_snapshots(root)
+    except SnapshotError as e:  # an unreadable store: no snapshot, the joiner cold-starts
+        return ok, {str(root if root is not None else default_root()): str(e)}
+    for info in infos:
         if info.manifest is None:
             refused[info.path] = info.error
             continue

@@ -123,6 +123,111 @@ def test_tampered_file_is_named(builtin_snap, tmp_path):
         verify(d)
 
 
+def _in_time(fn, *args):
+    """fn(*args), which must return or raise within seconds (a FIFO opened for reading would wait
+    for a writer forever)."""
+    import threading
+
+    box: list = []
+
+    def run():
+        try:
+            box.append(("ok", fn(*args)))
+        except Exception as e:
+            box.append(("raised", e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert box, f"{fn.__name__} blocked"
+    kind, value = box[0]
+    if kind == "raised":
+        raise value
+    return value
+
+
+def test_only_regular_files_inside_the_snapshot_are_read(builtin_snap, tmp_path):
+    import shutil
+
+    from snapshot.manifest import MANIFEST_MAX_BYTES, encode_manifest
+
+    src, m = builtin_snap
+    d = tmp_path / "copy"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+
+    def fresh():
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(src, d)
+        return d / "engine.json"
+
+    def refused(fn, says):
+        with pytest.raises(SnapshotCorrupt) as e:
+            _in_time(fn, d)
+        assert str(e.value).startswith(f"snapshot {d}: ") and says in str(e.value), str(e.value)
+
+    # engine.json as a link to an identical copy: its checksum would match if it were followed
+    f = fresh()
+    shutil.copy(f, outside / "engine.json")
+    f.unlink()
+    f.symlink_to(outside / "engine.json")
+    refused(verify, "engine.json: a symbolic link, not a regular file")
+    f.unlink()
+    os.mkfifo(f)
+    refused(verify, "engine.json: a FIFO, not a regular file")
+    f.unlink()
+    f.mkdir()
+    refused(verify, "engine.json: a directory, not a regular file")
+
+    # the manifest itself
+    fresh()
+    manifest = d / "manifest.json"
+    shutil.copy(manifest, outside / "manifest.json")
+    manifest.unlink()
+    manifest.symlink_to(outside / "manifest.json")
+    for fn in (load_manifest, verify):
+        refused(fn, "manifest.json: a symbolic link, not a regular file")
+    manifest.unlink()
+    os.mkfifo(manifest)
+    refused(load_manifest, "manifest.json: a FIFO, not a regular file")
+    manifest.unlink()
+    manifest.write_bytes(encode_manifest(m)[:-2] + b" " * MANIFEST_MAX_BYTES + b"}\n")
+    refused(load_manifest, f"manifest.json: over {MANIFEST_MAX_BYTES} bytes, not a snapshot manifest")
+    raw = json.loads(encode_manifest(m))
+    manifest.write_text(json.dumps({**raw, "restore_hook": "rm -rf /"}))
+    refused(load_manifest, "manifest.json: invalid manifest (Object contains unknown field `restore_hook`")
+    manifest.write_text(json.dumps({**raw, "files": {**raw["files"], "engine.json": "abc"}}))
+    refused(load_manifest, "manifest.json: invalid manifest (Expected `str` matching regex")
+
+    # names that leave the snapshot are refused before anything is opened
+    (outside / "x").write_text("secret")
+    digest = __import__("hashlib").sha256(b"secret").hexdigest()
+    for name in ("../outside/x", str(outside / "x"), "sub/../../outside/x", "./engine.json", "", "."):
+        manifest.write_text(json.dumps({**raw, "files": {**raw["files"], name: digest}}))
+        refused(load_manifest, f"manifest.json: invalid manifest (lists {name!r}, not a relative path inside")
+    # ... and so is a path through a linked directory, whatever it points at
+    (d / "sub").symlink_to(outside)
+    manifest.write_text(json.dumps({**raw, "files": {**raw["files"], "sub/x": digest}}))
+    refused(verify, "sub/x: sub is a symbolic link, not a directory")
+    manifest.write_text(json.dumps(raw))
+    refused(verify, "sub: unexpected file (not in manifest.json)")  # not listed: still not a snapshot's
+    (d / "sub").unlink()
+    assert verify(d) == m
+
+
+def test_the_store_follows_no_links(builtin_snap, builtin_target, tmp_path):
+    import shutil
+
+    root = tmp_path / "store"
+    root.mkdir()
+    shutil.copytree(builtin_snap[0], root / "good")
+    (root / "link").symlink_to(builtin_snap[0])
+    os.mkfifo(root / "fifo")  # not a snapshot: skipped, never opened
+    ok, refused = _in_time(find_compatible, builtin_target, root)
+    assert [i.path for i in ok] == [str(root / "good")]
+    assert refused == {str(root / "link"): f"snapshot {root / 'link'}: a symbolic link, not followed"}
+
+
 def test_other_model_and_max_ranks_are_refused(builtin_snap, builtin_target, store, tmp_path):
     from harness.reference import make_checkpoint
 
@@ -241,30 +346,63 @@ def test_cli_round_trip(tmp_path):
 
 
 def test_cli_bad_input(tmp_path, capsys):
-    """Same code as the console script, in-process (no interpreter start per case)."""
+    """Same code as the console script, in-process (no interpreter start per case). Every bad
+    argument: exit 2, one line `snapshot-bake: error: ...`, nothing written."""
     from snapshot.cli import main
 
     def run(*args):
-        rc = main([str(a) for a in args])
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's own checks
+            rc = e.code
         return rc, capsys.readouterr().err
 
-    rc, err = run("bake", "--out", tmp_path / "x", "--model", tmp_path / "nope", "-q")
+    def refused(*args, says: str):
+        rc, err = run("bake", "-q", *args)
+        assert rc == 2 and err.startswith("snapshot-bake: error: ") and says in err, (args, rc, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+    out = ("--out", tmp_path / "x")
+    rc, err = run("bake", *out, "--model", tmp_path / "nope", "-q")
     assert rc == 2 and err.strip() == f"snapshot-bake: error: {tmp_path / 'nope'}: no such directory"
     (tmp_path / "m").mkdir()
-    rc, err = run("bake", "--out", tmp_path / "x", "--model", tmp_path / "m", "-q")
-    assert rc == 2 and "missing config.json" in err and len(err.strip().splitlines()) == 1
-    rc, err = run("bake", "--out", tmp_path / "x", "--max-len", 100000, "-q")
-    assert rc == 2 and "max_len 100000 exceeds" in err
-    rc, err = run("bake", "--max-ranks", 2, "--min-ranks", 3)
-    assert rc == 2 and "--min-ranks (3)" in err
-    with pytest.raises(SystemExit) as e:
-        run("bake", "--max-ranks", 0)
-    assert e.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+    refused(*out, "--model", tmp_path / "m", says="missing config.json")
+    (tmp_path / "file").write_text("not a model")
+    refused(*out, "--model", tmp_path / "file", says=f"{tmp_path / 'file'}: not a directory")
+    refused(*out, "--max-len", 100000, says="max_len 100000 exceeds")
+    refused("--max-ranks", 2, "--min-ranks", 3, says="--min-ranks (3)")
+    refused("--max-ranks", 0, says="argument --max-ranks: must be at least 1, got 0")
+    refused("--max-ranks", 100000, says="argument --max-ranks: must be at most 1024, got 100000")
+    refused("--max-seqs", 100000000, says="argument --max-seqs: must be at most 4096, got 100000000")
+    refused("--max-batched-tokens", 10**9, says="must be at most 131072")
+    refused("--max-len", -1, says="must be at least 0, got -1")
+    refused("--redundant-experts", -1, says="argument --redundant-experts: must be at least 0, got -1")
+    refused("--redundant-experts", "1e9", says="expected an integer, got '1e9'")
+    # min_ranks 1: each rank holds every expert already, so any redundant expert changes nothing
+    refused(*out, "--redundant-experts", 1, says="redundant_experts 1 does not fit")
+    refused(*out, "--min-ranks", 2, "--redundant-experts", 9, says="hold at most 8 redundant experts")
+    refused("--cuda-graph-sizes", "1,x", says="expected an integer, got 'x'")
+    refused("--cuda-graph-sizes", "0", says="must be at least 1, got 0")
+    refused("--cuda-graph-sizes", "1,2,99999", says="must be at most 4096")
+    refused(*out, "--cuda-graph-sizes", "1,2", says="cuda_graph_sizes are captured on CUDA only")
+    refused(*out, "--device", "tpu", says="--device must be cpu, cuda or cuda:N, not 'tpu'")
+    refused("--bogus", says="unrecognized arguments: --bogus")
+    # where the snapshot cannot be written: found before the engine is built, not after
+    proc = "/proc/elastic-ep-test"
+    refused("--out", f"{proc}/x", says=f"{proc}/x: cannot be created: /proc is not writable")
+    refused("--root", proc, says=f"{proc}: cannot be created: /proc is not writable")
+    refused("--out", tmp_path / "file" / "x", says=f"cannot be created: {tmp_path / 'file'} is not a directory")
+    refused("--out", tmp_path / "file", says=f"{tmp_path / 'file'}: exists and is not a directory")
+    os.mkfifo(tmp_path / "fifo")
+    refused("--out", tmp_path / "fifo", "--force", says="exists and is not a directory")
+    assert not (tmp_path / "x").exists() and (tmp_path / "file").read_text() == "not a model"
+
     rc, err = run("verify", tmp_path / "nothing")
     assert rc == 1 and "no such directory" in err
     rc, err = run("inspect", tmp_path / "nothing")
     assert rc == 2 and "no such directory" in err
-    assert not (tmp_path / "x").exists()
+    rc, err = run("inspect", tmp_path / "fifo")
+    assert rc == 2 and err.strip() == f"snapshot-bake: error: snapshot {tmp_path / 'fifo'}: not a directory"
 
 
 def test_cli_tiers():

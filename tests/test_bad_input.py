@@ -1,0 +1,183 @@
+"""OpenAI parameters the engine does not implement are refused with a 400 that names them, never
+answered as if they had been honoured.
+
+Dynamo's frontend preprocesses a request into a dict before a worker sees it; `to_request` turns
+that into the engine's GenerateRequest. The dicts here are shaped like the real ones, recorded
+from the frontend (Dynamo 1.6.1) for the client parameters named beside each case.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import msgspec
+import openai
+import pytest
+from dynamo.llm.exceptions import InvalidArgument
+
+from components.worker import to_request
+from harness.server import Server
+
+MAX_LEN = 1024
+
+# POST /v1/completions {"prompt": "hello", "max_tokens": 3}, as the worker receives it
+PLAIN = {
+    "token_ids": [487, 112, 115],
+    "annotations": [],
+    "eos_token_ids": [1, 3],
+    "mdc_sum": "863f12e1cb89cbe647f27710aed578e620631602465be82890cba2e472e956c0",
+    "model": "elastic-ep/tiny-moe",
+    "output_options": {
+        "formatted_prompt": None,
+        "logprobs": None,
+        "prompt_logprobs": None,
+        "return_tokens_as_token_ids": None,
+        "skip_special_tokens": None,
+    },
+    "router_config_override": None,
+    "routing": {},
+    "sampling_options": {
+        "best_of": None,
+        "frequency_penalty": None,
+        "guided_decoding": None,
+        "include_stop_str_in_output": None,
+        "length_penalty": None,
+        "min_p": None,
+        "n": None,
+        "presence_penalty": None,
+        "repetition_penalty": None,
+        "seed": None,
+        "temperature": None,
+        "top_k": None,
+        "top_p": None,
+        "use_beam_search": None,
+    },
+    "stop_conditions": {
+        "ignore_eos": None,
+        "max_thinking_tokens": None,
+        "max_tokens": 3,
+        "min_tokens": None,
+        "stop": None,
+        "stop_token_ids": None,
+        "stop_token_ids_hidden": [1, 3],
+        "stop_token_ids_visible": None,
+    },
+}
+
+
+def shaped(section: str, **fields) -> dict:
+    raw = copy.deepcopy(PLAIN)
+    raw[section].update(fields)
+    return raw
+
+
+REFUSED = {
+    # client parameter(s): (section, fields as they arrive, the message names)
+    "n=2": ("sampling_options", {"n": 2}, "n=2 is not supported by this engine"),
+    "best_of=2": ("sampling_options", {"best_of": 2}, "best_of=2 is not supported"),
+    "presence_penalty=0.5": ("sampling_options", {"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
+    "frequency_penalty=0.5": ("sampling_options", {"frequency_penalty": 0.5}, "frequency_penalty=0.5"),
+    # an f32 on the way: shown as the client wrote it
+    "repetition_penalty=1.3": (
+        "sampling_options",
+        {"repetition_penalty": 1.2999999523162842},
+        "repetition_penalty=1.3",
+    ),
+    "top_k=5": ("sampling_options", {"top_k": 5}, "top_k=5"),
+    "min_p=0.1": ("sampling_options", {"min_p": 0.10000000149011612}, "min_p=0.1"),
+    "response_format json_object": (
+        "sampling_options",
+        {"guided_decoding": {"json": {"type": "object"}}},
+        "response_format / guided decoding is not supported",
+    ),
+    "completions logprobs=2": ("output_options", {"logprobs": 2}, "logprobs / top_logprobs is not supported"),
+    "completions logprobs=0": ("output_options", {"logprobs": 0}, "logprobs / top_logprobs"),
+    "chat logprobs=true top_logprobs=3": ("output_options", {"logprobs": 3}, "logprobs / top_logprobs"),
+    "echo=true": ("output_options", {"prompt_logprobs": 1}, "echo / prompt_logprobs is not supported"),
+    "min_tokens=2": ("stop_conditions", {"min_tokens": 2}, "min_tokens=2"),
+    "nvext max_thinking_tokens=5": ("stop_conditions", {"max_thinking_tokens": 5}, "max_thinking_tokens=5"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_parameter_is_refused_by_name(case: str) -> None:
+    section, fields, says = REFUSED[case]
+    with pytest.raises(InvalidArgument, match="^" + re.escape(says)):
+        to_request(shaped(section, **fields), MAX_LEN)
+
+
+ACCEPTED = {
+    # their neutral values, which clients send explicitly (the frontend passes them on)
+    "n=1 best_of=1": ("sampling_options", {"n": 1, "best_of": 1}),
+    "penalties off": (
+        "sampling_options",
+        {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0},
+    ),
+    "top_k=-1": ("sampling_options", {"top_k": -1}),
+    "top_k=0 min_p=0": ("sampling_options", {"top_k": 0, "min_p": 0.0}),
+    "min_tokens=0": ("stop_conditions", {"min_tokens": 0}),
+    # implemented by the frontend itself
+    "stop, stop_token_ids": ("stop_conditions", {"stop": ["lo"], "stop_token_ids": [7]}),
+    "include_stop_str_in_output": ("sampling_options", {"include_stop_str_in_output": True}),
+    "skip_special_tokens=false": ("output_options", {"skip_special_tokens": False}),
+}
+
+
+def plain_fields(raw: dict) -> dict:
+    """The GenerateRequest of `raw`, but its (random) id."""
+    fields = msgspec.structs.asdict(to_request(raw, MAX_LEN))
+    fields.pop("request_id")
+    return fields
+
+
+@pytest.mark.parametrize("case", list(ACCEPTED))
+def test_neutral_and_frontend_parameters_are_accepted(case: str) -> None:
+    section, fields = ACCEPTED[case]
+    assert plain_fields(shaped(section, **fields)) == plain_fields(PLAIN)
+
+
+def test_supported_parameters_reach_the_engine() -> None:
+    raw = shaped("sampling_options", temperature=0.5, top_p=0.8999999761581421, seed=3)
+    raw["stop_conditions"]["ignore_eos"] = True
+    assert plain_fields(raw) == {
+        "prompt": [487, 112, 115],
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "top_p": 0.8999999761581421,
+        "seed": 3,
+        "stop_token_ids": [1, 3],
+        "ignore_eos": True,
+        "replay": 0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: Dynamo's frontend turns the refusal into a 400 the OpenAI client raises
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server(["--Planner.enabled=false"])
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_served_graph_answers_400_naming_the_parameter(server) -> None:
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    model, prompt = server.model, "The quick brown fox"
+    with pytest.raises(openai.BadRequestError, match="n=2 is not supported") as e:
+        client.completions.create(model=model, prompt=prompt, max_tokens=4, n=2)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="logprobs / top_logprobs is not supported"):
+        client.completions.create(model=model, prompt=prompt, max_tokens=4, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="echo / prompt_logprobs is not supported"):
+        client.completions.create(model=model, prompt=prompt, max_tokens=4, echo=True)
+    with pytest.raises(openai.BadRequestError, match="logprobs / top_logprobs is not supported"):
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=2
+        )
+    ok = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, n=1, presence_penalty=0)
+    assert len(ok.choices) == 1 and ok.choices[0].finish_reason in ("length", "stop") and ok.usage.completion_tokens
