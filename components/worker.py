@@ -74,9 +74,8 @@ class Worker(Component):
             raise ValueError(f"Worker.device must be 'cpu' or 'cuda', not {c.device!r}")
 
     @classmethod
-    def rank_process(cls, rank: int, join: bool = False, snapshot: str = "") -> ProcessSpec:
+    def rank_process(cls, rank: int, join: bool = False) -> ProcessSpec:
         argv = [sys.executable, "-m", cls.module, "--rank", str(rank)] + (["--join"] if join else [])
-        argv += ["--snapshot", snapshot] if snapshot else []
         return ProcessSpec(label=f"Worker.{rank}", argv=argv, critical=False)
 
     @classmethod
@@ -228,8 +227,9 @@ def refusal(message: type, state: RankState) -> StateError:
 
 
 class RankServer:
-    def __init__(self, rank: int, cfg: Worker.Config, ctx: GraphContext, join: bool, snapshot: str = ""):
-        self.rank, self.cfg, self.ctx, self.join, self.snapshot = rank, cfg, ctx, join, snapshot
+    def __init__(self, rank: int, cfg: Worker.Config, ctx: GraphContext, join: bool):
+        self.rank, self.cfg, self.ctx, self.join = rank, cfg, ctx, join
+        self.started_from = "cold"
         self.life = Lifecycle(rank)
         self.faults = Faults.from_env()
         self.routable = asyncio.Event()
@@ -250,8 +250,8 @@ class RankServer:
         cfg = rank_config(self.cfg, self.rank)
         e = self.engine = EngineRank(cfg, model_dir, load_weights=not self.join)
         self.identity = e.model_config.identity()
-        if self.snapshot:
-            self.check_snapshot()
+        if self.join and self.cfg.snapshot_root:
+            self.find_snapshot()
         self.open_store()
         # Not serving anyone until the router puts this rank into a group.
         e.comm.set_active([], 0)
@@ -278,17 +278,20 @@ class RankServer:
             name=f"weights-{self.rank}-{os.getpid()}-{self.stores_opened}",
         )
 
-    def check_snapshot(self) -> None:
-        """A joiner started from a baked snapshot: it must fit this deployment and be intact;
-        otherwise say why and carry on as a cold start."""
+    def find_snapshot(self) -> None:
+        """A joiner looks for a baked snapshot that fits this deployment and is intact (here, where
+        the engine is, so the router never imports it); each refusal is logged with its reason."""
         from snapshot.bake import target_for_engine
-        from snapshot.manifest import SnapshotError, check_compatible, verify
+        from snapshot.store import find_compatible
 
-        try:
-            m = check_compatible(verify(self.snapshot), target_for_engine(self.engine), path=self.snapshot)
-        except SnapshotError as err:
-            log.warning("rank %d: %s; cold start instead", self.rank, err)
+        found, refused = find_compatible(target_for_engine(self.engine), self.cfg.snapshot_root)
+        for why in refused.values():
+            log.warning("rank %d: %s", self.rank, why)
+        if not found:
+            log.info("rank %d: no snapshot fits; cold start", self.rank)
             return
+        m = found[0].manifest
+        self.started_from = "snapshot"
         self.life.transition(RankState.RESTORED, f"from {m.tier} snapshot {m.snapshot_id}")
 
     def status(self) -> RankStatus:
@@ -316,6 +319,7 @@ class RankServer:
             expert_rows=e.expert_rows,
             graph_captures=e.graphs.captures if e.graphs else 0,
             replays_diverged=e.sched.replays_diverged,
+            started_from=self.started_from,
             kv_used=e.sched.slots_used,
             kv_total=e.sched.max_seqs,
         )
@@ -620,14 +624,14 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def serve(rank: int, join: bool, snapshot: str) -> None:
+async def serve(rank: int, join: bool) -> None:
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
 
     from components.graph.runtime import make_runtime
 
     ctx, _ = load_context()
     cfg = component_config(Worker.Config)
-    server = RankServer(rank, cfg, ctx, join, snapshot)
+    server = RankServer(rank, cfg, ctx, join)
     try:
         await asyncio.to_thread(server.load)
     except ValueError as e:  # the model or the configuration: the same on every rank, every retry
@@ -675,15 +679,9 @@ def main() -> None:
         action="store_true",
         help="join a serving group: pull weights from peers instead of reading the checkpoint",
     )
-    p.add_argument(
-        "--snapshot",
-        default="",
-        metavar="DIR",
-        help="a baked snapshot to start from (checked against this deployment first)",
-    )
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args.rank, args.join, args.snapshot))
+    asyncio.run(serve(args.rank, args.join))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ log = logging.getLogger("components.control.capacity")
 class CapacityProvider(Protocol):
     async def acquire(self, ranks: list[int], op: str, fault: str = "") -> dict[int, str]:
         """Bring up a joining worker for each rank: restore a parked one, or start a process
-        (from a matching baked snapshot, else cold). Returns rank -> "parked" | "snapshot" | "cold"."""
+        (which starts from a baked snapshot that fits, if it finds one). Returns rank -> "parked" |
+        "new"."""
 
     @property
     def checkpoints_parked(self) -> bool:
@@ -98,20 +99,6 @@ class LocalProvider:
             self.restored[rank] = pid
         return True
 
-    def snapshot_for(self, rank: int, op: str) -> str:
-        """A baked snapshot that fits this deployment, or "" (each refusal is logged with its reason)."""
-        if not self.wcfg.snapshot_root:
-            return ""
-        from components.worker import model_source, rank_config
-        from snapshot.bake import target_for
-        from snapshot.store import find_compatible
-
-        target = target_for(model_source(self.wcfg)[0], rank_config(self.wcfg, rank))
-        found, refused = find_compatible(target, self.wcfg.snapshot_root)
-        for why in refused.values():
-            log.warning("[op %s] Worker.%d: %s", op, rank, why)
-        return str(found[0].path) if found else ""
-
     async def acquire(self, ranks: list[int], op: str, fault: str = "") -> dict[int, str]:
         how: dict[int, str] = {}
         for rank in ranks:
@@ -121,9 +108,8 @@ class LocalProvider:
                     continue
             if rank in self.parked:  # a fault test wants a fresh process: retire the parked one
                 await self.release(rank, op, graceful=False)
-            snap = await asyncio.to_thread(self.snapshot_for, rank, op)  # reads and checksums files
-            how[rank] = "snapshot" if snap else "cold"
-            spec = Worker.rank_process(rank, join=True, snapshot=snap)
+            how[rank] = "new"
+            spec = Worker.rank_process(rank, join=True)
             env = {
                 **os.environ,
                 GRAPH_ENV: encode_context(self.ctx),

@@ -150,7 +150,7 @@ class KubernetesProvider:
         )
         if self._watch is None:
             self._watch = asyncio.create_task(self._watch_pods())
-        return {r: "cold" for r in ranks}
+        return {r: "new" for r in ranks}
 
     checkpoints_parked = False
 

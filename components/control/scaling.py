@@ -307,6 +307,9 @@ class Operation:
             if how != "parked":  # a new process: whatever instance this rank had is gone
                 self.port.forget(r)
         await self.port.discover(self.joiners, self.provider, self.cfg.prepare_timeout_s)
+        for r, how in self.record.joined_from.items():
+            if how != "parked":  # a new process says whether a snapshot fitted
+                self.record.joined_from[r] = self.port.status(r).started_from
         restored = [r for r, how in self.record.joined_from.items() if how == "parked"]
         await self.call(restored, lambda r: Restore(op=self.id))
         self.transition(Phase.LOADING, "dense weights spread over serving ranks, experts per the target map")

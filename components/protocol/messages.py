@@ -160,6 +160,7 @@ class RankStatus(RankSummary, kw_only=True):
     active: list[int]
     connected: list[int]
     load: list[list[int]]  # tokens routed to each expert, per MoE layer, since the last rebalance
+    started_from: str = "cold"  # "snapshot" when it started from a baked snapshot that fit
 
 
 class ControlReply(msgspec.Struct):
