@@ -56,6 +56,8 @@ from components.protocol.messages import (
 
 log = logging.getLogger("components.worker")
 
+EXIT_STEP_LOOP_FAILED = 70  # EX_SOFTWARE
+
 
 class Worker(Component):
     Config = WorkerConfig
@@ -249,6 +251,7 @@ class RankServer:
         t0 = time.perf_counter()
         cfg = rank_config(self.cfg, self.rank)
         e = self.engine = EngineRank(cfg, model_dir, load_weights=not self.join)
+        e.on_fatal = self.die
         self.identity = e.model_config.identity()
         if self.join and self.cfg.snapshot_root:
             self.find_snapshot()
@@ -262,6 +265,13 @@ class RankServer:
             )
         else:
             self.life.transition(RankState.LOADED, f"cold start from {model_dir} in {time.perf_counter() - t0:.2f} s")
+
+    def die(self, error: BaseException) -> None:
+        """The step loop broke: exit, so the router sees a dead rank and fails it over, rather
+        than a live process that serves nothing (its requests then migrate)."""
+        log.critical("rank %d: step loop failed; exiting", self.rank, exc_info=error)
+        logging.shutdown()
+        os._exit(EXIT_STEP_LOOP_FAILED)
 
     def open_store(self) -> None:
         """Register this rank's weights with a fresh NIXL agent (named anew each time: peers may
@@ -320,6 +330,7 @@ class RankServer:
             graph_captures=e.graphs.captures if e.graphs else 0,
             replays_diverged=e.sched.replays_diverged,
             started_from=self.started_from,
+            ep_failed_peers=list(e.ep_failed_peers),
             kv_used=e.sched.slots_used,
             kv_total=e.sched.max_seqs,
         )
@@ -442,6 +453,8 @@ class RankServer:
 
     @handles(Pause, IN_COMMITS)
     async def on_pause(self, msg: Pause) -> None:
+        if msg.gone:  # a collective waiting on a dead peer gives up now, so the pause can land
+            self.engine.comm.declare_gone(msg.gone)
         await asyncio.wrap_future(self.engine.pause())
 
     @handles(Configure, IN_COMMITS)
@@ -490,10 +503,11 @@ class RankServer:
         # A scale-down that aborts puts its leaving ranks back: they never left the active set.
         self.advance(msg, RankState.ACTIVE, "back into routing")
 
-    @handles(LoadExperts, {RankState.LOADED, RankState.WARMED, RankState.STAGED})
+    @handles(LoadExperts, {RankState.LOADED, RankState.WARMED, RankState.STAGED, RankState.ACTIVE})
     async def on_load_experts(self, msg: LoadExperts) -> None:
-        """The first ranks' cold start (connected to each other by then); joiners pull instead."""
-        await self.on_loop(lambda: self.engine.load_experts(msg.placement))
+        """The first ranks' cold start (connected to each other by then; joiners pull instead), and
+        a serving rank taking over experts whose every replica was on a failed rank (`since`)."""
+        await self.on_loop(lambda: self.engine.load_experts(msg.placement, msg.since))
 
     # Exporting changes nothing on this rank: allowed in any state.
     @handles(ExportWeights, ANY_STATE)

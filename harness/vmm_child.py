@@ -51,6 +51,9 @@ class LocalComm:
     def mask_remote(self) -> None:
         self._active = (0,)
 
+    def declare_gone(self, ranks) -> None:
+        pass
+
     def suspend(self) -> None:
         pass
 

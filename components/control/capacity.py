@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
@@ -43,6 +44,10 @@ class CapacityProvider(Protocol):
     async def release(self, rank: int, op: str, graceful: bool = True) -> None:
         """Make sure the rank's process is gone: after it was asked to exit (`graceful`: give it
         time), or at once to abort."""
+
+    async def fence(self, rank: int, pid: int, op: str) -> None:
+        """A serving rank was found dead or stalled: make sure it can never act again (a stalled
+        process that resumed would serve a topology that no longer exists), whoever started it."""
 
     async def close(self) -> None: ...
 
@@ -152,6 +157,24 @@ class LocalProvider:
                 continue
         log.info("[op %s] Worker.%d (pid %d) is gone (exit code %s)", op, rank, child.pid, child.proc.returncode)
         child.pump.cancel()
+
+    async def fence(self, rank: int, pid: int, op: str) -> None:
+        if rank in self.procs:  # SIGKILL at once: a stopped process ignores SIGTERM until resumed
+            self.procs[rank].signal_group(signal.SIGKILL)
+            await self.release(rank, op, graceful=False)
+            return
+        self.parked.pop(rank, None)
+        self.restored.pop(rank, None)
+        # A rank `dynamo serve` started: kill the pid if it is still that rank's worker (a pid
+        # is reused only after its process was reaped).
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            log.info("[op %s] Worker.%d (pid %d) is already gone", op, rank, pid)
+            return
+        if b"components.worker" in argv and str(rank).encode() in argv:
+            os.kill(pid, signal.SIGKILL)
+            log.warning("[op %s] Worker.%d (pid %d) fenced: SIGKILL", op, rank, pid)
 
     async def close(self) -> None:
         await asyncio.gather(*(self.release(r, "shutdown", graceful=False) for r in list(self.procs)))

@@ -186,6 +186,12 @@ class KubernetesProvider:
             while asyncio.get_running_loop().time() < deadline and await self._pod_phase(rank) != "Gone":
                 await asyncio.sleep(self.poll_s)
 
+    async def fence(self, rank: int, pid: int, op: str) -> None:
+        # Deleting the pod ends the process wherever it runs; the StatefulSet recreates it, and the
+        # new process registers as a fresh rank for the next scale-up.
+        status, body = await self._req("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{self.statefulset}-{rank}")
+        log.warning("[op %s] rank %d fenced: pod deleted (HTTP %d)", op, rank, status)
+
     def _base(self, current: int, rank: int) -> int:
         """Pods below the released rank that this provider did not start (the initial group)."""
         return min(rank, current)

@@ -101,6 +101,7 @@ class RouterService:
         self.client = None
         self.instances: dict[int, int] = {}  # rank -> instance id
         self.statuses: dict[int, RankStatus] = {}
+        self.last_seen: dict[int, float] = {}  # rank -> when it last answered (monotonic)
         self._committed = Committed(epoch=0, active=[], placement=None)
         self.num_experts = 0
         self.load_base: dict[int, list[list[int]]] = {}  # per rank: expert load at the last rebalance
@@ -127,6 +128,9 @@ class RouterService:
     def status(self, rank: int) -> RankStatus:
         return self.statuses[rank]
 
+    def failed(self, rank: int) -> bool:
+        return self.scaler is not None and rank in self.scaler.failing
+
     def operation_ended(self, record: OpRecord, topology: Committed) -> None:
         self._committed = topology
         if record.rebalance_downtime_s is not None:  # an EPLB committed: load counts from here
@@ -145,6 +149,7 @@ class RouterService:
                 f"rank {rank}: {type(msg).__name__.lower()} failed: {reply.error if reply else 'no reply'}"
             )
         self.statuses[rank] = reply.status
+        self.last_seen[rank] = time.monotonic()
         return reply
 
     async def send_all(self, ranks, make) -> list[ControlReply]:
@@ -171,6 +176,7 @@ class RouterService:
                         continue
                     self.instances[st.rank] = iid
                     self.statuses[st.rank] = st
+                    self.last_seen[st.rank] = time.monotonic()
                     log.info("found rank %d (instance %x, %s)", st.rank, iid, st.state)
             missing = [r for r in ranks if r not in self.instances]
             if not missing:
@@ -185,12 +191,16 @@ class RouterService:
     def forget(self, rank: int) -> None:
         self.instances.pop(rank, None)
         self.statuses.pop(rank, None)
+        self.last_seen.pop(rank, None)
         self.load_base.pop(rank, None)
 
     def expert_load(self) -> list[list[int]]:
-        """Tokens routed to each expert per MoE layer since the last rebalance, over active ranks."""
+        """Tokens routed to each expert per MoE layer since the last rebalance, over active ranks
+        (a failed rank being masked out counts no more)."""
         total = None
         for r in self.active:
+            if r not in self.statuses:
+                continue
             cur = self.statuses[r].load
             base = self.load_base.get(r)
             rows = [[c - (base[i][j] if base else 0) for j, c in enumerate(row)] for i, row in enumerate(cur)]
@@ -216,14 +226,46 @@ class RouterService:
         log.info("epoch 1: ranks %s active and routable (%.1f s after start)", ranks, time.monotonic() - self.started)
         self.ready.set()
 
-    async def refresh(self) -> None:
+    async def refresh(self, provider: CapacityProvider) -> None:
+        """Every status_interval_s: ask every rank for its status (its heartbeat), and fail over
+        serving ranks that are found dead."""
         while True:
             await asyncio.sleep(self.cfg.status_interval_s)
-            for r in list(self.instances):
-                try:
-                    await asyncio.wait_for(self.send(r, Describe()), timeout=5)
-                except Exception as e:
-                    log.warning("rank %d did not answer: %s", r, e)
+            await asyncio.gather(*(self._probe(r) for r in list(self.instances)))
+            failed = self.find_failed(provider)
+            if failed:
+                self.scaler.fail(sorted(failed))
+
+    async def _probe(self, rank: int) -> None:
+        try:
+            await asyncio.wait_for(self.send(rank, Describe()), timeout=self.cfg.rank_timeout_s)
+        except Exception as e:
+            log.warning("rank %d did not answer: %s", rank, e or type(e).__name__)
+
+    def find_failed(self, provider: CapacityProvider) -> dict[int, str]:
+        """Serving ranks to fail over, with the reason for each (logged once)."""
+        if not self.ready.is_set():
+            return {}
+        now, active = time.monotonic(), self.committed.active
+        why: dict[int, str] = {}
+        for r in active:
+            if r in self.scaler.failing:
+                continue
+            silent = now - self.last_seen.get(r, now)
+            if provider.alive(r) is False:
+                why[r] = "its process died"
+            elif silent > self.cfg.rank_timeout_s:
+                why[r] = f"no answer for {silent:.1f} s"
+        epoch = self.committed.epoch
+        for r in active:
+            st = self.statuses.get(r)
+            # Only a report about the serving epoch: an older one is about a topology since replaced.
+            for p in st.ep_failed_peers if st and r not in why and st.epoch == epoch else ():
+                if p in active and p not in why and p not in self.scaler.failing:
+                    why[p] = f"rank {r}'s EP collective failed on it"
+        for r, reason in why.items():
+            log.error("rank %d failed: %s; failing it over", r, reason)
+        return why
 
     # ---- HTTP ----------------------------------------------------------------------------------
     def topology(self) -> Topology:
@@ -383,6 +425,10 @@ class RouterService:
         async def topology(_):
             return web.Response(body=msgspec.json.encode(self.topology()), content_type="application/json")
 
+        async def operations(_):
+            history = self.scaler.history if self.scaler else []
+            return web.Response(body=msgspec.json.encode(history), content_type="application/json")
+
         async def health(_):
             ok = self.ready.is_set()
             return web.json_response(
@@ -437,6 +483,7 @@ class RouterService:
         app.add_routes(
             [
                 web.get("/topology", topology),
+                web.get("/operations", operations),
                 web.get("/health", health),
                 web.get("/metrics", metrics),
                 web.post("/scale", scale),
@@ -496,7 +543,7 @@ async def serve() -> None:
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     log.info("control API on http://%s:%d", cfg.host, cfg.port)
     boot = asyncio.create_task(svc.bootstrap())
-    refresh = asyncio.create_task(svc.refresh())
+    refresh = asyncio.create_task(svc.refresh(provider))
     scaler = asyncio.create_task(svc.scaler.run(svc.ready))
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({boot, waiter}, return_when=asyncio.FIRST_COMPLETED)

@@ -37,6 +37,7 @@ from components.protocol.messages import (
     EndExport,
     Exit,
     ExportWeights,
+    LoadExperts,
     Park,
     Pause,
     PullWeights,
@@ -64,6 +65,7 @@ class Phase(enum.Enum):
     MIGRATING = "migrating"  # experts copied to the ranks that will hold them
     COMMITTING = "committing"  # pause, install active set + expert map in place, resume
     REBALANCING = "rebalancing"  # async EPLB from measured per-expert load
+    MASKING = "masking"  # failover: survivors stop waiting for failed ranks, pause, reload their experts
     CLEANUP = "cleanup"  # leaving ranks disconnect and exit
     DONE = "done"
     ABORTED = "aborted"  # failed before the commit: the topology never changed
@@ -71,7 +73,8 @@ class Phase(enum.Enum):
 
 
 _NEXT = {
-    Phase.QUEUED: {Phase.PAUSING, Phase.STARTING, Phase.DRAINING},
+    Phase.QUEUED: {Phase.PAUSING, Phase.STARTING, Phase.DRAINING, Phase.MASKING},
+    Phase.MASKING: {Phase.COMMITTING},
     Phase.PAUSING: {Phase.STARTING, Phase.DRAINING},
     Phase.STARTING: {Phase.LOADING},
     Phase.LOADING: {Phase.WARMING, Phase.CONNECTING},
@@ -105,6 +108,9 @@ class RankPort(Protocol):
     def status(self, rank: int) -> RankStatus:
         """The rank's latest status (every reply carries one)."""
 
+    def failed(self, rank: int) -> bool:
+        """The rank was found dead or stalled: waiting for its answer is pointless."""
+
 
 class Operation:
     """One scale operation from the committed topology it starts at; `execute` returns the topology
@@ -122,18 +128,20 @@ class Operation:
         cfg: RouterConfig,
         max_ranks: int,
         num_experts: int,
+        failed: list[int] = (),
     ):
         self.req, self.topology, self.load = req, topology, load
         self.port, self.provider, self.cfg, self.num_experts = port, provider, cfg, num_experts
+        self.failed = sorted(failed)
         size = len(topology.active)
-        kind = "up" if req.dp_size > size else "down"
+        kind = "failover" if failed else "up" if req.dp_size > size else "down"
         self.id = f"op-{next(self._ids)}-{kind}-{size}to{req.dp_size}"
         self.t0 = time.monotonic()
         self._phase_t0 = self.t0
         self.phase = Phase.QUEUED
         free = [r for r in range(max_ranks) if r not in topology.active]
         self.joiners = free[: max(0, req.dp_size - size)] if kind == "up" else []
-        self.leaving = sorted(topology.active)[req.dp_size :] if kind == "down" else []
+        self.leaving = self.failed or (sorted(topology.active)[req.dp_size :] if kind == "down" else [])
         self.record = OpRecord(
             id=self.id,
             kind=kind,
@@ -184,7 +192,7 @@ class Operation:
             task = asyncio.ensure_future(self.port.send(r, make(r)))
             deadline = time.monotonic() + timeout
             while not task.done():
-                if self.provider.alive(r) is False:
+                if self.provider.alive(r) is False or self.port.failed(r):
                     task.cancel()
                     raise ScaleError(f"rank {r} died during {self.phase.value}")
                 if time.monotonic() > deadline:
@@ -251,8 +259,8 @@ class Operation:
         t0 = self.pause_t0 or time.monotonic()
         self.pause_t0 = None
         try:
-            # Ranks already paused (mode A) answer at once.
-            await self.call(involved, lambda r: Pause(), timeout)
+            # Ranks already paused (mode A, failover) answer at once.
+            await self.call(involved, lambda r: Pause(gone=self.failed), timeout)
             if warm:  # modes A and B: the preparation the design keeps out of the pause
                 await self.call(warm, lambda r: Warmup(placement=placement, recapture=recapture, op=self.id))
             await self.call(
@@ -373,6 +381,29 @@ class Operation:
             await self.provider.release(r, self.id)
             self.port.forget(r)
 
+    async def failover(self) -> None:
+        """Mask failed serving ranks out: a forced scale-down that asks nothing of them. Survivors
+        stop waiting for them and pause with their requests intact; experts that only the failed
+        ranks held are loaded from the checkpoint into the survivors' spare slots; the commit
+        installs the survivors under a new epoch and every paused step runs again."""
+        current, failed = self.topology.placement, self.failed
+        survivors = [r for r in self.active if r not in failed]
+        if not survivors:
+            raise ScaleError(f"every serving rank failed ({failed}): nothing to fail over to")
+        target = shrink(current, failed, self.num_experts)
+        self.transition(Phase.MASKING, f"ranks {failed} failed; survivors {survivors} pause and reload their experts")
+        for r in failed:  # never two epochs: a stalled rank that comes back must find itself gone
+            if self._known(r):  # not yet fenced by an earlier attempt
+                await self.provider.fence(r, self.port.status(r).pid, self.id)
+                self.port.forget(r)
+        self.pause_t0 = time.monotonic()
+        await self.call(survivors, lambda r: Pause(gone=failed), self.cfg.commit_timeout_s)
+        reload = sorted({slot // target.slots_per_rank for _, slot in changed_slots(current, target)})
+        await self.call(reload, lambda r: LoadExperts(placement=target, since=current))
+        self.transition(Phase.COMMITTING)
+        self.scale_committed(await self.commit(survivors, target))
+        await self.call(survivors, lambda r: Disconnect(ranks=failed))
+
     def scale_committed(self, downtime: float) -> None:
         self.committed = True
         self.record.downtime_s, self.record.committed_at = round(downtime, 6), time.time()
@@ -427,8 +458,9 @@ class Operation:
     async def execute(self, load_now: Callable[[], list[list[int]]]) -> Committed:
         """Run the operation; `load_now` gives the measured expert load for the follow-up EPLB."""
         try:
-            await (self.scale_up() if self.record.kind == "up" else self.scale_down())
-            if self.cfg.rebalance:
+            kind = self.record.kind
+            await (self.scale_up() if kind == "up" else self.scale_down() if kind == "down" else self.failover())
+            if self.cfg.rebalance and kind != "failover":
                 self.transition(Phase.REBALANCING, "async EPLB from measured load")
                 await self.rebalance(load_now())
             self.transition(Phase.DONE)
@@ -459,6 +491,7 @@ class Scaler:
     ):
         self.owner, self.port, self.provider, self.cfg, self.max_ranks = owner, port, provider, cfg, max_ranks
         self.pending: ScaleRequest | None = None
+        self.failing: set[int] = set()  # serving ranks found dead, not yet failed over
         self.current: Operation | None = None
         self.history: list[OpRecord] = []
         self._wake = asyncio.Event()
@@ -467,7 +500,7 @@ class Scaler:
 
     @property
     def busy(self) -> bool:
-        return self.current is not None or self.pending is not None
+        return self.current is not None or self.pending is not None or bool(self.failing)
 
     def request(self, req: ScaleRequest) -> None:
         self.pending = req  # the latest target wins over one still queued
@@ -478,33 +511,63 @@ class Scaler:
         await self._idle.wait()
         return self.history[-1] if self.history else None
 
+    def fail(self, ranks: list[int]) -> None:
+        """Serving ranks found dead: a failover runs before any queued request (after the
+        operation in flight, whose calls to them fail at once)."""
+        self.failing |= set(ranks)
+        self._idle.clear()
+        self._wake.set()
+
     async def run(self, ready: asyncio.Event) -> None:
         await ready.wait()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.pending is not None:
+            try:
+                await self._work()
+            except Exception:  # the scaler must outlive any bug: later requests still run
+                log.exception("scaler: unexpected error; waiting for the next request")
+                self.current = None
+            self._idle.set()
+
+    async def _work(self) -> None:
+        while self.failing or self.pending is not None:
+            start = self.owner.committed
+            self.failing &= set(start.active)  # a rank that no longer serves needs no failover
+            failed = sorted(self.failing)
+            if failed:
+                req = ScaleRequest(dp_size=len(start.active) - len(failed))
+            elif self.pending is not None:
                 req, self.pending = self.pending, None
-                start = self.owner.committed
                 if req.dp_size == len(start.active):
                     continue
-                op = Operation(
-                    req,
-                    start,
-                    self.owner.expert_load(),
-                    self.port,
-                    self.provider,
-                    self.cfg,
-                    self.max_ranks,
-                    self.owner.num_experts,
-                )
-                self.current = op
-                self.history.append(op.record)
-                del self.history[:-20]
-                result = await op.execute(self.owner.expert_load)
-                self.current = None
-                self.owner.operation_ended(op.record, result)
-            self._idle.set()
+            else:
+                continue
+            op = Operation(
+                req,
+                start,
+                self.owner.expert_load(),
+                self.port,
+                self.provider,
+                self.cfg,
+                self.max_ranks,
+                self.owner.num_experts,
+                failed,
+            )
+            self.current = op
+            self.history.append(op.record)
+            del self.history[:-20]
+            result = await op.execute(self.owner.expert_load)
+            self.current = None
+            self.owner.operation_ended(op.record, result)
+            if failed and op.record.phase != "done":
+                # A survivor failed too (it is found and joins `failing`): try again shortly.
+                await asyncio.sleep(self.cfg.status_interval_s)
+                continue
+            self.failing -= set(failed)
+            if failed and op.record.phase == "done" and self.pending is None:
+                # The capacity provider replaces what failed: back to the size before.
+                self.pending = ScaleRequest(dp_size=len(start.active))
 
 
 class TopologyOwner(Protocol):

@@ -14,7 +14,12 @@ import torch
 
 
 class EPError(RuntimeError):
-    """A collective could not complete: a peer is gone, timed out, or the input is invalid."""
+    """A collective could not complete: a peer is gone, timed out, or the input is invalid.
+    `peers`: the ranks it failed on (silent, unreachable or declared gone), when that is known."""
+
+    def __init__(self, message: str, peers: Iterable[int] = ()):
+        super().__init__(message)
+        self.peers = sorted(peers)
 
 
 class EPCommunicator(Protocol):
@@ -34,6 +39,11 @@ class EPCommunicator(Protocol):
     def set_active(self, ranks: Iterable[int], epoch: int) -> None:
         """Install the active set for `epoch`. Collectives are tagged with the epoch, so every rank
         of the new set must install the same set with the same epoch before its next collective."""
+
+    def declare_gone(self, ranks: Iterable[int]) -> None:
+        """The router found these peers dead: a collective in flight is abandoned now (EPError
+        naming them), whichever peer it waits for, instead of at its timeout; the router installs
+        a new epoch next. Safe from any thread, also during a collective; cleared by set_active."""
 
     def mask_remote(self) -> None:
         """Only this rank is active (a joiner warming up alone). Collectives become local."""

@@ -146,6 +146,8 @@ class NixlCommunicator:
         self.name = name or f"ep-{rank}-{os.getpid()}"
 
         self._lock = threading.RLock()  # also the agent's: it outlives each agent (suspend/resume)
+        # Peers the router declared dead; read by a collective in flight, so replaced, never mutated.
+        self._gone: frozenset[int] = frozenset()
         self._closed = False
         self._on_cuda = self.device.type == "cuda"
 
@@ -348,6 +350,7 @@ class NixlCommunicator:
         self._active = new
         self._epoch = epoch
         self._seq = 0
+        self._gone = frozenset()
         self._stash = {k: v for k, v in self._stash.items() if k[0] >= epoch}
         log.info("%s: epoch %d active %s", self.name, epoch, new)
 
@@ -464,10 +467,16 @@ class NixlCommunicator:
                 raise
             except Exception as e:
                 raise EPError(
-                    f"rank {self.rank}: sending {n} bytes to rank {dst} failed (epoch {epoch} seq {seq}): {e}"
+                    f"rank {self.rank}: sending {n} bytes to rank {dst} failed (epoch {epoch} seq {seq}): {e}", [dst]
                 ) from e
             if state == "ERR":
-                raise EPError(f"rank {self.rank}: WRITE of {n} bytes to rank {dst} failed (epoch {epoch} seq {seq})")
+                raise EPError(
+                    f"rank {self.rank}: WRITE of {n} bytes to rank {dst} failed (epoch {epoch} seq {seq})", [dst]
+                )
+
+    def declare_gone(self, ranks: Iterable[int]) -> None:
+        self._gone = frozenset(ranks)  # no lock: the collective holding it is what this unblocks
+        log.warning("%s: ranks %s declared gone", self.name, sorted(self._gone))
 
     def _wait(self, remotes, epoch, seq, handles) -> dict[int, int]:
         """Wait for a notification from every remote source and for our own WRITEs to finish."""
@@ -483,13 +492,28 @@ class NixlCommunicator:
                     for raw in msgs:
                         self._on_notif(agent_name, raw, epoch, seq, got)
             for dst in list(pending):
-                state = agent.check_xfer_state(pending[dst])
+                try:
+                    state = agent.check_xfer_state(pending[dst])
+                except Exception as e:  # NIXL raises (e.g. REMOTE_DISCONNECT) as well as answering ERR
+                    raise EPError(
+                        f"rank {self.rank}: WRITE to rank {dst} failed (epoch {epoch} seq {seq}): {e}", [dst]
+                    ) from e
                 if state == "DONE":
                     del pending[dst]
                 elif state == "ERR":
-                    raise EPError(f"rank {self.rank}: WRITE to rank {dst} failed (epoch {epoch} seq {seq}); peer gone?")
+                    raise EPError(
+                        f"rank {self.rank}: WRITE to rank {dst} failed (epoch {epoch} seq {seq}); peer gone?", [dst]
+                    )
             if not pending and need.issubset(got):
                 return got
+            if self._gone:
+                # Abandoned whoever it waits for: a live peer may itself have given up this
+                # collective, and the router installs a new epoch for all survivors next.
+                raise EPError(
+                    f"rank {self.rank}: all_to_all epoch {epoch} seq {seq} abandoned: "
+                    f"{_ranks(sorted(self._gone))} declared gone",
+                    self._gone,
+                )
             spins += 1
             if spins > 64:
                 now = time.monotonic()
@@ -503,7 +527,8 @@ class NixlCommunicator:
                         parts.append(f"WRITE to {_ranks(unfinished)} unfinished")
                     raise EPError(
                         f"rank {self.rank}: all_to_all epoch {epoch} seq {seq} timed out after {self.timeout_s}s: "
-                        + "; ".join(parts)
+                        + "; ".join(parts),
+                        silent + unfinished,
                     )
                 # Spin first (latency), then yield: on an oversubscribed CPU a spinning waiter
                 # starves the very peers it waits for (4 ranks on 2 cores: 12 ms per collective

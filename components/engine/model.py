@@ -59,12 +59,14 @@ class MoETransformer(nn.Module):
             for name, p in self.named_parameters():
                 p.copy_(ckpt.get(name, dtype=p.dtype))
 
-    def load_experts(self, ckpt: Checkpoint, placement: Placement, rank: int) -> None:
-        """Fill this rank's slots with the experts the placement puts there."""
+    def load_experts(self, ckpt: Checkpoint, placement: Placement, rank: int, since: Placement | None = None) -> None:
+        """Fill this rank's slots with the experts the placement puts there; with `since`, only
+        the slots whose expert differs from it."""
         with torch.no_grad():
             for layer, moe in self.moe_layers:
+                before = since.experts_on(rank, layer) if since else None
                 for slot, expert in enumerate(placement.experts_on(rank, layer)):
-                    if expert >= 0:
+                    if expert >= 0 and (before is None or before[slot] != expert):
                         names = expert_tensor_names(self.cfg, layer, expert)
                         moe.load_slot(slot, *(ckpt.get(n, dtype=moe.w_gate.dtype) for n in names))
 

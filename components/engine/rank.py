@@ -163,13 +163,17 @@ class EngineRank:
         self._paused = False
         self._pause_waiters: list[Future] = []
         self._peers_busy = False
+        self.ep_failed_peers: list[int] = []  # peers a collective failed on since the last configure
+        # Called with what broke the step loop (a bug, not a peer); None: the loop thread raises.
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
 
     # ---- setup -------------------------------------------------------------------------------
-    def load_experts(self, placement: Placement) -> None:
-        """Fill this rank's slots from the checkpoint as `placement` says (a cold start)."""
-        self.model.load_experts(self.ckpt, placement, self.cfg.rank)
+    def load_experts(self, placement: Placement, since: Placement | None = None) -> None:
+        """Fill this rank's slots from the checkpoint as `placement` says (a cold start); with
+        `since`, only those that changed (experts whose every replica was on a failed rank)."""
+        self.model.load_experts(self.ckpt, placement, self.cfg.rank, since)
 
     def configure(self, epoch: int, active, placement: Placement) -> None:
         """New active set and expert map, in place; run on the loop thread while the group is
@@ -177,6 +181,7 @@ class EngineRank:
         self.comm.set_active(active, epoch)
         self.expert_map.install(placement)
         self.epoch = epoch
+        self.ep_failed_peers = []
 
     def warmup(self, placement: Placement, recapture: bool = False) -> float:
         """Run this rank alone (remote peers masked) through a prefill and every decode batch
@@ -386,9 +391,15 @@ class EngineRank:
             try:
                 self._step(has_work)
             except EPError as e:
+                # The step did not complete: its sequences did not advance, and it runs again once
+                # the router installed a topology without the failed peers (a new epoch).
                 log.error("rank %d: EP collective failed, pausing until the router acts: %s", self.cfg.rank, e)
-                self.sched.fail_all(f"error: {e}")
-                self._paused = True
+                self.ep_failed_peers = sorted({*self.ep_failed_peers, *e.peers})
+                self._enter_pause()
+            except Exception as e:
+                if self.on_fatal is None:
+                    raise
+                self.on_fatal(e)  # a rank whose step loop is gone must not look alive
 
     def _enter_pause(self) -> None:
         self._pause_wanted, self._paused, self._peers_busy = False, True, False

@@ -150,7 +150,3 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.slot = -1
         seq.emit(TokenOutput(seq.req.request_id, tokens or [], reason))
-
-    def fail_all(self, reason: str) -> None:
-        for seq in [*self.waiting, *self.running]:
-            self._finish(seq, reason)

@@ -35,7 +35,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     port: int = 8001
     token: str = ""  # bearer token for the control API; required when host is not loopback
     bootstrap_timeout_s: float = 300.0
-    status_interval_s: float = 1.0
+    status_interval_s: float = 1.0  # how often the router asks every rank for its status
+    # A serving rank that has not answered for this long, whose process died, or whose EP peers
+    # report it gone is failed over: fenced, masked out, its experts reloaded on the survivors,
+    # and a replacement requested.
+    rank_timeout_s: float = 3.0
     prepare_timeout_s: float = 120.0  # a joiner that takes longer to start, load or warm up aborts the op
     commit_timeout_s: float = 10.0  # a rank that misses it rolls the commit back
     drain_timeout_s: float = 30.0  # leaving ranks' requests still running after this are handed over

@@ -27,7 +27,9 @@ class Disconnect(msgspec.Struct, tag="disconnect"):
 
 
 class Pause(msgspec.Struct, tag="pause"):
-    pass
+    """Stop at a step boundary. `gone`: peers found dead, whom a collective in flight stops waiting for."""
+
+    gone: list[int] = []
 
 
 class Configure(msgspec.Struct, tag="configure"):
@@ -50,6 +52,7 @@ class LoadExperts(msgspec.Struct, tag="load_experts"):
     """Fill this rank's slots from the checkpoint (a cold start of the first group)."""
 
     placement: Placement
+    since: Placement | None = None  # load only the slots whose expert differs from this placement
 
 
 class ExportWeights(msgspec.Struct, tag="export_weights"):
@@ -161,6 +164,7 @@ class RankStatus(RankSummary, kw_only=True):
     connected: list[int]
     load: list[list[int]]  # tokens routed to each expert, per MoE layer, since the last rebalance
     started_from: str = "cold"  # "snapshot" when it started from a baked snapshot that fit
+    ep_failed_peers: list[int] = []  # peers an EP collective failed on since the last Configure
 
 
 class ControlReply(msgspec.Struct):

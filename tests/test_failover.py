@@ -1,0 +1,83 @@
+"""A serving rank that dies or stalls under load: the router finds it within seconds, fences it,
+masks it out (its experts reloaded on the survivors), and asks for a replacement; every accepted
+request completes with the tokens a static deployment gives, and the next scale works."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.server import Server, Traffic, engine_reference, scale
+
+MAX_TOKENS = 24
+PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server(["--Worker.max_ranks=4", "--Worker.dp_size=3", "--Planner.enabled=false"])
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return engine_reference(PROMPTS, MAX_TOKENS)
+
+
+def operation_ids(srv: Server) -> set[str]:
+    return {op["id"] for op in srv.control("GET", "/operations").json()}
+
+
+def wait_for_failover(srv: Server, rank: int, before: set[str], timeout: float = 120) -> tuple[dict, dict]:
+    """The failover that masked `rank` out (not one of the operations `before`), and the topology
+    once its replacement serves."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ops = [op for op in srv.control("GET", "/operations").json() if op["id"] not in before]
+        failover = next((op for op in ops if op["kind"] == "failover" and op["leaving"] == [rank]), None)
+        topo = srv.topology()
+        if failover and failover["phase"] != "queued" and failover["total_s"] and not topo["scaling"]:
+            return failover, topo
+        time.sleep(0.2)
+    raise AssertionError(f"no failover of rank {rank} within {timeout} s: {srv.control('GET', '/operations').text}")
+
+
+def pid_of(srv: Server, rank: int) -> int:
+    topo = srv.topology()
+    pids = [r["pid"] for r in topo["ranks"] if r["rank"] == rank]
+    if not pids:
+        Path("/tmp/failover-debug.json").write_text(srv.control("GET", "/operations").text)
+        Path("/tmp/failover-debug.log").write_text(srv.output)
+    assert pids, (topo, srv.control("GET", "/operations").text)
+    return pids[0]
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_failed_serving_rank_is_replaced_under_load_and_nothing_is_lost(server, reference, fault):
+    rank = 1
+    pid, before = pid_of(server, rank), operation_ids(server)
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        time.sleep(2.0)
+        os.kill(pid, getattr(signal, fault))
+        failover, topo = wait_for_failover(server, rank, before)
+        time.sleep(2.0)
+    assert failover["phase"] == "done" and failover["error"] == "", (failover["error"], failover["phases"])
+    assert topo["dp_size"] == 3, topo
+    assert topo["active"] == [0, 1, 2], server.control("GET", "/operations").text
+    assert pid_of(server, rank) != pid  # a new process took rank 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the stalled one was fenced: it can never serve an old epoch again
+    assert traffic.errors == []
+    assert len(traffic.results) > 12
+    bad = [(p, text, reference[p]) for p, text, _, _ in traffic.results if text != reference[p]]
+    assert bad == []
+    # Not wedged: the next scale works both ways.
+    assert scale(server, 2)["phase"] == "done"
+    assert scale(server, 3)["phase"] == "done"
