@@ -30,6 +30,9 @@ What CRIU accepts, and why this module does what it does (measured with trixie's
   (e.g. on a signal) and closes them before the dump. Held file locks need `--file-locks`, and
   established TCP connections `--tcp-established`; neither is passed (a worker holds none when
   it is dumped).
+- A process with a NIXL agent open is refused: UCX keeps a deleted shared-memory file
+  (/dev/shm/ucx_shm_posix_*, 4 MiB) over CRIU's limit for such files. The engine rank drops its
+  agent first (comm.suspend()) and opens a new one after the restore (comm.resume()).
 - A CUDA process is dumped after snapshot.cuda_checkpoint.checkpoint() moved its GPU memory to
   the host, and restored before cuda_checkpoint.restore() (no CRIU plugin); each concurrent copy
   then needs its own network namespace, as the driver holds an abstract unix socket.

@@ -1,9 +1,11 @@
 """CRIU, for real (the venv's, from `make install`; as root): detection, one image restored as two
-concurrent copies that keep their memory and state, tampered images refused."""
+concurrent copies that keep their memory and state, tampered images refused, and a process
+holding an engine rank restored able to generate."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -25,34 +27,16 @@ from snapshot.manifest import SnapshotCorrupt
 
 SEED = 1234
 DATA_BYTES = 64 << 20
+REPO = Path(__file__).resolve().parents[1]
 
-# 64 MiB of known data and a small state machine (warm -> serving -> stopped, a counter). On
-# SIGUSR1 it serves one connection on a new unix socket whose random name it prints: a copy
-# restored from an image opens its own socket, after the restore, and says where on its output.
-CHILD = r"""
-import hashlib, os, random, signal, socket, sys
-data = random.Random(int(sys.argv[2])).randbytes(int(sys.argv[3]))
-phase, n = "warm", 0
-
-def handle(cmd):
-    global phase, n
-    if cmd == "digest":
-        return hashlib.sha256(data).hexdigest()
-    if cmd == "state":
-        return f"{phase} {n}"
-    if cmd == "start" and phase == "warm":
-        phase = "serving"
-        return phase
-    if cmd == "inc" and phase == "serving":
-        n += 1
-        return str(n)
-    if cmd == "stop" and phase == "serving":
-        phase = "stopped"
-        return phase
-    return f"refused: {cmd} while {phase}"
-
+# The children below print "ready" once set up, then, on each SIGUSR1, serve one connection on a
+# new unix socket whose random name they print: a copy restored from an image opens its own
+# socket, after the restore, and says where on its own output. One command a line, `handle`
+# answers it; "bye" ends the connection.
+SERVE = r"""
+import os, signal, socket, sys
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-print("ready", flush=True)
+print("ready", READY, flush=True)
 while True:
     signal.sigwaitinfo({signal.SIGUSR1})
     path = os.path.join(sys.argv[1], os.urandom(8).hex() + ".sock")
@@ -70,6 +54,67 @@ while True:
             f.write(handle(line.strip()) + "\n")
             f.flush()
 """
+
+# 64 MiB of known data and a small state machine (warm -> serving -> stopped, a counter).
+CHILD = (
+    r"""
+import hashlib, random, sys
+data = random.Random(int(sys.argv[2])).randbytes(int(sys.argv[3]))
+phase, n = "warm", 0
+READY = ""
+
+def handle(cmd):
+    global phase, n
+    if cmd == "digest":
+        return hashlib.sha256(data).hexdigest()
+    if cmd == "state":
+        return f"{phase} {n}"
+    if cmd == "start" and phase == "warm":
+        phase = "serving"
+        return phase
+    if cmd == "inc" and phase == "serving":
+        n += 1
+        return str(n)
+    if cmd == "stop" and phase == "serving":
+        phase = "stopped"
+        return phase
+    return f"refused: {cmd} while {phase}"
+"""
+    + SERVE
+)
+
+# A CPU engine rank of the built-in model, its step loop started, that has generated once; then
+# paused, its NIXL agent (and UCX context) dropped: UCX's deleted shared-memory file is more than
+# CRIU dumps by default ("Can't dump ghost file /dev/shm/ucx_shm_posix_..."), and the agent's
+# name is no one else's to keep.
+ENGINE_CHILD = (
+    r"""
+import json, time, torch
+from components.engine.builtin import builtin_model_dir
+from harness.reference import PROMPTS, generate, single_rank
+torch.set_grad_enabled(False)
+eng = single_rank(builtin_model_dir(), max_len=128)
+eng.start()
+
+def gen():
+    eng.resume().result(60)
+    tokens = generate(eng, PROMPTS, 8, ignore_eos=True)[0]
+    eng.pause().result(60)
+    return tokens
+
+READY = json.dumps(gen())
+eng.comm.suspend()
+
+def handle(cmd):
+    if cmd == "generate":
+        return json.dumps(gen())
+    if cmd == "agent":  # a new NIXL agent, in the restored process
+        eng.comm.resume()
+        return str(len(eng.comm.metadata()) > 0)
+    return "unknown"
+"""
+    + SERVE
+)
 
 
 def wait_line(log: Path, prefix: str, after: int = 0, timeout: float = 60) -> str:
@@ -283,3 +328,30 @@ def test_criu_status_sentences(tmp_path, monkeypatch):
     monkeypatch.setattr(criu_mod, "find_criu", lambda: None)
     ok, why = criu_status()
     assert not ok and why == "CRIU not found (`make install` unpacks Debian trixie's CRIU 4.1.1 into .venv/criu)"
+
+
+def test_engine_rank_restored():
+    """A torch process with an engine rank built is dumped and restored; the copy generates the
+    same tokens, opens a new NIXL agent and generates again."""
+    work = Path(tempfile.mkdtemp(prefix="criu-"))
+    try:
+        (work / "child.py").write_text(ENGINE_CHILD)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        p = spawn([sys.executable, str(work / "child.py"), str(work)], work / "start.log", env=env, cwd=REPO)
+        try:
+            tokens = json.loads(wait_line(work / "start.log", "ready ", timeout=300).split(" ", 1)[1])
+            m = dump(p, work / "img")
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert len(tokens) == 5 and all(len(t) == 8 for t in tokens)
+        with open(work / "copy.log", "ab") as out, restore(work / "img", output=out) as c:
+            s = Session(c.pid, work / "copy.log")
+            assert json.loads(s.ask("generate")) == tokens
+            assert s.ask("agent") == "True"
+            assert json.loads(s.ask("generate")) == tokens
+            s.close()
+        assert c.ns_pid == m.pid
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
