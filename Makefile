@@ -6,7 +6,7 @@ ARGS ?=
 
 .PHONY: serve test lint install bench clean
 
-$(BIN)/.installed: pyproject.toml tools/debian-fetch.sh
+$(BIN)/.installed: pyproject.toml tools/debian-fetch.sh tools/criu-fetch.sh
 	$(PY) -m venv $(VENV)
 	# torch first: a package that depends on it would otherwise pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
@@ -14,6 +14,9 @@ $(BIN)/.installed: pyproject.toml tools/debian-fetch.sh
 	# etcd for the etcd discovery test, from Debian's packages, unpacked into the venv.
 	tools/debian-fetch.sh bookworm $(VENV)/debian etcd-server
 	ln -sf ../debian/root/usr/bin/etcd $(BIN)/etcd
+	# CRIU 4.1.1 from Debian trixie with its own loader and libc, unpacked into the venv (bookworm's
+	# 3.17 fails on recent kernels): $(BIN)/criu runs it.
+	tools/criu-fetch.sh $(VENV)/criu $(BIN)/criu
 	touch $@
 
 install: $(BIN)/.installed

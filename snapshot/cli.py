@@ -374,7 +374,8 @@ def parser() -> argparse.ArgumentParser:
         help="which snapshot tiers this machine supports, and why not",
         description="Print each snapshot tier and whether it is available here: "
         "artifacts always; parked needs the CUDA driver checkpoint API on a GPU (on "
-        "CPU a warm parked process); criu needs CRIU >= 4.0 with its CUDA plugin.",
+        "CPU a warm parked process); criu needs CRIU >= 4.0 (the venv's, from make install, "
+        "or one on PATH) whose `criu check` passes, as root.",
     )
     s.set_defaults(fn=cmd_tiers)
     return p

@@ -1,6 +1,10 @@
-"""Is the CRIU tier possible here? CRIU >= 4.0 with its CUDA plugin (cuda_plugin.so) is needed:
-Debian bookworm ships 3.17, whose `criu check` fails on recent kernels, and no CUDA plugin.
-Detect, never assume."""
+"""Is the CRIU tier possible here? Detect, never assume: find criu (the venv's own first, as
+`make install` unpacks Debian trixie's CRIU 4.1.1 there, then $PATH), read its version and run
+`criu check`, which needs root. Debian bookworm's CRIU 3.17 fails that check on recent kernels.
+
+No CRIU plugin is needed for CUDA processes: their GPU state is moved to host memory with the
+driver's checkpoint API (snapshot.cuda_checkpoint) before the dump and brought back after the
+restore (shared/probes/criu_probe.py)."""
 
 from __future__ import annotations
 
@@ -8,22 +12,20 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 MIN_VERSION = (4, 0)
-PLUGIN_NAME = "cuda_plugin.so"
-PLUGIN_DIRS = (
-    "/usr/lib/criu",
-    "/usr/lib64/criu",
-    "/usr/local/lib/criu",
-    "/usr/local/lib64/criu",
-    "/usr/lib/x86_64-linux-gnu/criu",
-    "/usr/lib/aarch64-linux-gnu/criu",
-    "/usr/libexec/criu",
-)
-NOT_INSTALLED = (
-    "CRIU not installed (apt-get install criu; CRIU >= 4.0 with the CUDA plugin is needed for the criu tier)"
-)
+CHECK_TIMEOUT_S = 60
+NOT_INSTALLED = "CRIU not found (`make install` unpacks Debian trixie's CRIU 4.1.1 into .venv/criu)"
+
+
+def find_criu() -> str | None:
+    """The venv's criu (written by tools/criu-fetch.sh) before any criu on $PATH."""
+    own = Path(sys.prefix) / "bin" / "criu"
+    if os.access(own, os.X_OK):
+        return str(own)
+    return shutil.which("criu")
 
 
 def criu_version(criu: str) -> tuple[tuple[int, ...], str] | None:
@@ -38,37 +40,37 @@ def criu_version(criu: str) -> tuple[tuple[int, ...], str] | None:
     return tuple(int(x) for x in m.group(1).split(".")), m.group(1)
 
 
-def find_plugin(criu: str | None = None, dirs=None) -> Path | None:
-    """cuda_plugin.so in the usual CRIU plugin directories (and $CRIU_LIBS_DIR, and a lib/criu
-    beside the criu binary)."""
-    cands = list(dirs) if dirs is not None else [*filter(None, [os.environ.get("CRIU_LIBS_DIR")]), *PLUGIN_DIRS]
-    if criu and dirs is None:
-        prefix = Path(criu).resolve().parent.parent
-        cands += [str(prefix / "lib" / "criu"), str(prefix / "lib64" / "criu")]
-    for d in cands:
-        p = Path(d) / PLUGIN_NAME
-        if p.is_file():
-            return p
-    return None
+def _check_failure(criu: str) -> str | None:
+    """None when `criu check` says "Looks good", else why not, in one line."""
+    try:
+        out = subprocess.run([criu, "check"], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"`criu check` did not finish in {CHECK_TIMEOUT_S} s"
+    except OSError as e:
+        return f"`criu check` could not run: {e.strerror}"
+    text = out.stdout + out.stderr
+    if out.returncode == 0 and "Looks good" in text:
+        return None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("Error")]
+    why = (errors or lines or [f"exit status {out.returncode}, no output"])[0]
+    return f"`criu check` failed: {why[:300]}"
 
 
-def criu_status(criu: str | None = None, plugin_dirs=None) -> tuple[bool, str]:
-    """(usable, a sentence saying what was found or what is missing)."""
-    criu = criu or shutil.which("criu")
+def criu_status(criu: str | None = None) -> tuple[bool, str]:
+    """(usable, one line saying what was found or what is missing)."""
+    criu = criu or find_criu()
     if not criu:
         return False, NOT_INSTALLED
     got = criu_version(criu)
     if got is None:
-        return (
-            False,
-            f"CRIU found at {criu} but `criu --version` gave no version; "
-            "the criu tier needs >= 4.0 with its CUDA plugin",
-        )
+        return False, f"CRIU at {criu}: `criu --version` gave no version"
     ver, shown = got
     if ver < MIN_VERSION:
-        return False, f"CRIU {shown} found; the criu tier needs >= 4.0 with its CUDA plugin"
-    plugin = find_plugin(criu, plugin_dirs)
-    if plugin is None:
-        where = ", ".join(plugin_dirs if plugin_dirs is not None else PLUGIN_DIRS[:3])
-        return False, (f"CRIU {shown} found but not its CUDA plugin ({PLUGIN_NAME} in {where}); the criu tier needs it")
-    return True, f"CRIU {shown} with its CUDA plugin ({plugin})"
+        return False, f"CRIU {shown} at {criu}; the criu tier needs >= {'.'.join(map(str, MIN_VERSION))}"
+    if os.geteuid() != 0:
+        return False, f"CRIU {shown} at {criu}; checkpoint and restore need root"
+    failed = _check_failure(criu)
+    if failed:
+        return False, f"CRIU {shown} at {criu}: {failed}"
+    return True, f"CRIU {shown} at {criu}: `criu check` looks good"

@@ -155,15 +155,16 @@ def _check_name(name: str) -> str:
     return name
 
 
-def _open_dir(d: Path) -> int:
+def open_dir(d: Path, what: str = "snapshot") -> int:
+    """A descriptor of the directory `d`; SnapshotCorrupt "`what` `d`: why" when it is none."""
     try:
         return os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise SnapshotCorrupt(f"snapshot {d}: no such directory") from None
+        raise SnapshotCorrupt(f"{what} {d}: no such directory") from None
     except NotADirectoryError:
-        raise SnapshotCorrupt(f"snapshot {d}: not a directory") from None
+        raise SnapshotCorrupt(f"{what} {d}: not a directory") from None
     except OSError as e:
-        raise SnapshotCorrupt(f"snapshot {d}: unreadable ({e.strerror or e})") from None
+        raise SnapshotCorrupt(f"{what} {d}: unreadable ({e.strerror or e})") from None
 
 
 def _open_member(dfd: int, name: str, where: str) -> int:
@@ -228,7 +229,7 @@ def _load(dfd: int, d: Path) -> SnapshotManifest:
 def load_manifest(dir: str | os.PathLike) -> SnapshotManifest:
     """The manifest of the snapshot in `dir`; SnapshotCorrupt when there is none or it is invalid."""
     d = Path(dir)
-    dfd = _open_dir(d)
+    dfd = open_dir(d)
     try:
         return _load(dfd, d)
     finally:
@@ -247,38 +248,45 @@ def _entries(dfd: int, prefix: str = "") -> set[str]:
                     out |= _entries(sub, f"{prefix}{e.name}/")
                 finally:
                     os.close(sub)
-            elif prefix or e.name != MANIFEST_NAME:
+            else:
                 out.add(prefix + e.name)
     return out
+
+
+def check_files(dfd: int, label: str, files: dict[str, str], manifest_name: str, unlisted=frozenset()) -> None:
+    """Recompute the sha256 of every file `files` lists below the open directory `dfd`, and refuse
+    any file it does not list (but the manifest `manifest_name` and the top-level names in
+    `unlisted`); SnapshotCorrupt names the first bad file ("`label`: name: why")."""
+    for name, digest in sorted(files.items()):
+        where = f"{label}: {name}"
+        try:
+            fd = _open_member(dfd, name, where)
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"{where}: missing (listed in {manifest_name})") from None
+        try:
+            with open(fd, "rb") as f:
+                actual = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:
+            raise SnapshotCorrupt(f"{where}: unreadable ({e.strerror or e})") from None
+        if actual != digest:
+            raise SnapshotCorrupt(f"{where}: checksum mismatch (tampered or corrupt)")
+    try:
+        extra = sorted(_entries(dfd) - set(files) - {manifest_name, *unlisted})
+    except OSError as e:
+        raise SnapshotCorrupt(f"{label}: unreadable ({e.strerror or e})") from None
+    if extra:
+        raise SnapshotCorrupt(f"{label}: {extra[0]}: unexpected file (not in {manifest_name})")
 
 
 def verify(dir: str | os.PathLike) -> SnapshotManifest:
     """Recompute every checksum; SnapshotCorrupt names the first bad file. Returns the manifest."""
     d = Path(dir)
-    dfd = _open_dir(d)
+    dfd = open_dir(d)
     try:
         m = _load(dfd, d)
-        for name, digest in sorted(m.files.items()):
-            where = f"snapshot {d}: {name}"
-            try:
-                fd = _open_member(dfd, name, where)
-            except FileNotFoundError:
-                raise SnapshotCorrupt(f"{where}: missing (listed in {MANIFEST_NAME})") from None
-            try:
-                with open(fd, "rb") as f:
-                    actual = hashlib.file_digest(f, "sha256").hexdigest()
-            except OSError as e:
-                raise SnapshotCorrupt(f"{where}: unreadable ({e.strerror or e})") from None
-            if actual != digest:
-                raise SnapshotCorrupt(f"{where}: checksum mismatch (tampered or corrupt)")
-        try:
-            extra = sorted(_entries(dfd) - set(m.files))
-        except OSError as e:
-            raise SnapshotCorrupt(f"snapshot {d}: unreadable ({e.strerror or e})") from None
+        check_files(dfd, f"snapshot {d}", m.files, MANIFEST_NAME)
     finally:
         os.close(dfd)
-    if extra:
-        raise SnapshotCorrupt(f"snapshot {d}: {extra[0]}: unexpected file (not in {MANIFEST_NAME})")
     return m
 
 

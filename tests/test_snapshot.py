@@ -279,22 +279,6 @@ def test_write_snapshot_is_atomic_and_refuses_overwrite(tmp_path, builtin_snap):
     assert list_snapshots(tmp_path)[0].path == str(d)
 
 
-def test_criu_status_sentences(tmp_path):
-    ok, why = criu_status(criu=None) if not __import__("shutil").which("criu") else (False, "")
-    if why:
-        assert not ok and why.startswith("CRIU not installed (apt-get install criu;")
-    fake = tmp_path / "criu"
-    fake.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
-    fake.chmod(0o755)
-    assert criu_status(str(fake)) == (False, "CRIU 3.17.1 found; the criu tier needs >= 4.0 with its CUDA plugin")
-    fake.write_text("#!/bin/sh\necho 'Version: 4.1'\necho 'GitID: v4.1'\n")
-    ok, why = criu_status(str(fake), plugin_dirs=[str(tmp_path / "plugins")])
-    assert not ok and "CRIU 4.1 found but not its CUDA plugin" in why
-    (tmp_path / "plugins").mkdir()
-    (tmp_path / "plugins" / "cuda_plugin.so").write_bytes(b"")
-    assert criu_status(str(fake), plugin_dirs=[str(tmp_path / "plugins")])[0]
-
-
 def test_cli_help():
     r = cli("--help", check=0)
     for sub in ("bake", "list", "inspect", "verify", "rm", "tiers"):
