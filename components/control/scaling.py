@@ -152,6 +152,7 @@ class Operation:
             joiners=self.joiners,
             leaving=self.leaving,
             phases={},
+            started_at=time.time(),
         )
         self.committed = False
         self.rolled_back = False

@@ -69,6 +69,7 @@ class OpRecord(msgspec.Struct):
     leaving: list[int]
     phases: dict[str, float]  # seconds spent per phase
     downtime_s: float | None = None  # the scale's pauses: first pause request to last resume reply, summed
+    started_at: float = 0.0  # wall-clock time (unix) it was taken up
     committed_at: float | None = None  # wall-clock time (unix) of the last resume reply
     rebalance_downtime_s: float | None = None  # the short commits of the follow-up EPLB
     total_s: float | None = None
