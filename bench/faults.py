@@ -92,7 +92,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench/results/faults.json"), help="JSON output path")
     p.add_argument("graph_args", nargs="*", help="extra `dynamo serve` options after --")
     args = p.parse_args()
-    reference = engine_reference(PROMPTS, MAX_TOKENS)
+    device = "cuda" if "--Worker.device=cuda" in args.graph_args else "cpu"
+    reference = engine_reference(PROMPTS, MAX_TOKENS, device=device)
     rows = [run_row(f.strip(), args, reference) for f in args.faults.split(",")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
