@@ -496,7 +496,7 @@ class RouterService:
     @property
     def hosts(self) -> set[str]:
         """Names this API answers to: loopback, and the configured host."""
-        return {"127.0.0.1", "localhost", "::1", self.cfg.host}
+        return {*LOOPBACK, self.cfg.host}
 
 
 def _hostname(netloc: str) -> str:
