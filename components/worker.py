@@ -122,6 +122,7 @@ def rank_config(c: Worker.Config, rank: int):
         max_batched_tokens=c.max_batched_tokens,
         min_ranks=c.min_ranks,
         vmm=c.vmm,
+        ep_transport=c.ep_transport,
     )
 
 

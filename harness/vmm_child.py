@@ -30,6 +30,7 @@ class LocalComm:
     """A one-rank EPCommunicator (no NIXL): all_to_all hands this rank's message back to it."""
 
     rank, max_ranks = 0, 1
+    windows = None
 
     def __init__(self, capacity_bytes: int = 1 << 30):
         self.capacity_bytes = capacity_bytes

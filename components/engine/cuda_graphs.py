@@ -8,6 +8,9 @@ mask, the sort by destination and the combine are inside the graphs; dense feed-
 their segment. One set per batch size, captured once; every input is a static buffer that is
 copied into, and the graphs read the EP mask, expert map, expert slots, KV cache and weights at
 fixed addresses, so new members, placements and weights need no recapture.
+
+Where the exchange is device work (same-node peer windows, ep_window.py), nothing is left to the
+host: the segments and the exchanges between them are captured as one graph per batch size.
 """
 
 from __future__ import annotations
@@ -99,6 +102,19 @@ class DecodeGraphs:
 
     def _capture(self, b: int) -> None:
         segs = self._segments(b)
+        if self.model.ep.windows is not None:
+            layouts = self.dispatch[b]
+
+            def step():
+                for k, seg in enumerate(segs):
+                    seg()
+                    if k < len(self.moes):
+                        self.moes[k].exchange(layouts[k], self.y[k][: b * self.moes[k].top_k])
+
+            segs = [step]
+        ep = self.model.ep
+        # Captured alone (nothing is active yet): pairs have nowhere to go, which is no error.
+        ep.set_masked_warmup(True)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -112,6 +128,7 @@ class DecodeGraphs:
                 seg()
             self.pool = g.pool()
             graphs.append(g)
+        ep.set_masked_warmup(False)
         self.graphs[b] = graphs
         self.captures += 1
 
@@ -142,6 +159,9 @@ class DecodeGraphs:
         self.model.ep.sync_mask()
         graphs, layouts = self.graphs[b], self.dispatch[b]
         self.replays += 1
+        if len(graphs) == 1:  # the exchanges are inside
+            graphs[0].replay()
+            return self.logits[:real]
         for k, moe in enumerate(self.moes):
             graphs[k].replay()
             moe.exchange(layouts[k], self.y[k][: b * moe.top_k])

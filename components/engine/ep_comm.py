@@ -8,9 +8,12 @@ being prepared), which is what lets a running group prepare a scale-up while it 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from components.engine.ep_window import PeerWindows
 
 
 class EPError(RuntimeError):
@@ -26,6 +29,9 @@ class EPCommunicator(Protocol):
     rank: int
     max_ranks: int
     capacity_bytes: int  # most bytes one rank may send to one peer in one all_to_all
+    # Same-node CUDA ranks: the MoE exchange as device work through peers' mailboxes
+    # (ep_window.PeerWindows); None: the MoE exchange goes through all_to_all.
+    windows: PeerWindows | None
 
     def metadata(self) -> bytes:
         """What a peer needs to connect to this rank (opaque, stable until suspend())."""

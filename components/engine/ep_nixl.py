@@ -141,6 +141,7 @@ class NixlCommunicator:
         self.rank = rank
         self.max_ranks = max_ranks
         self.capacity_bytes = capacity_bytes
+        self.windows = None
         self.device, self._mem_type, self._dev_id = nixl_memory(device)
         self.timeout_s = timeout_s
         self.name = name or f"ep-{rank}-{os.getpid()}"

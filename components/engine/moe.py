@@ -30,14 +30,41 @@ class ExpertParallel:
         self.comm, self.map = comm, expert_map
         self.rank = comm.rank
         self.slots_per_rank = expert_map.slots_per_rank
+        self.windows = comm.windows
+        dev = expert_map.slot_to_expert.device
         # The active set as the dispatch kernels read it, like nixl_ep's mask buffer: a device
         # tensor at a fixed address, so captured graphs follow membership changes without a
         # recapture. Pairs routed to a masked rank are not sent.
-        self.mask = torch.zeros(expert_map.max_ranks, dtype=torch.bool, device=expert_map.slot_to_expert.device)
+        self.mask = (
+            self.windows.mask
+            if self.windows is not None
+            else torch.zeros(expert_map.max_ranks, dtype=torch.bool, device=dev)
+        )
+        # Pairs the map routed outside the active set, counted on the device where the exchange
+        # is device work (the host-driven one raises at once); `strict` is 0 in masked warmup.
+        self.misrouted = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.strict = torch.ones(1, dtype=torch.int64, device=dev)
+        # (token, expert) pairs this rank computed for any rank, counted without a host sync;
+        # the step loop reads it after the step's own sync.
+        self.rows_computed = torch.zeros(1, dtype=torch.int64, device=dev)
         self._mask_of: tuple[int, ...] | None = None
         # A joiner warming up alone (remote peers masked) drops the pairs routed to masked ranks,
         # as vLLM's mask_remote_ranks does; outside warmup such a route is a bug and raises.
         self.masked_warmup = False
+
+    def set_masked_warmup(self, on: bool) -> None:
+        self.masked_warmup = on
+        self.strict.fill_(0 if on else 1)
+
+    def check_routes(self) -> None:
+        """After a step with device exchanges (synchronized): raise on pairs routed to masked ranks."""
+        n = int(self.misrouted)
+        if n:
+            self.misrouted.zero_()
+            raise RuntimeError(
+                f"the expert map routed {n} (token, expert) pairs to ranks outside the active set "
+                f"{list(self.comm.active)}"
+            )
 
     def sync_mask(self) -> None:
         """Bring the device mask up to the communicator's active set (before a step)."""
@@ -88,7 +115,6 @@ class SparseMoE(nn.Module):
         self.register_buffer("w_down", torch.zeros(S, H, I), persistent=False)
         # Tokens routed to each logical expert since the last reset: the input of EPLB.
         self.register_buffer("load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
-        self.rows_computed = 0  # (token, expert) pairs this rank computed for any rank
 
     def load_slot(self, slot: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         self.w_gate[slot].copy_(gate)
@@ -103,14 +129,23 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), experts
 
     def experts(self, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        self.rows_computed += x.shape[0]
-        for s in local.unique().tolist():
-            rows = (local == s).nonzero().flatten()
-            h = x[rows]
-            h = F.silu(h @ self.w_gate[s].T) * (h @ self.w_up[s].T)
-            out[rows] = h @ self.w_down[s].T
-        return out
+        """The SwiGLU experts of this rank's slots over rows `x`, row i through slot `local[i]`;
+        a row with slot -1 gives zeros. Grouped GEMMs over the rows sorted by slot, with no host
+        sync, so a fixed number of rows can be graph-captured."""
+        S = self.ep.slots_per_rank
+        valid = local >= 0
+        self.ep.rows_computed.add_(valid.sum())
+        key = torch.where(valid, local, S).long()
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(S + 1, dtype=torch.int64, device=x.device).index_add_(0, key, torch.ones_like(key))
+        offs = torch.cumsum(counts[:S], 0).to(torch.int32)
+        xs = x[order]
+        h = F.silu(torch._grouped_mm(xs, self.w_gate.transpose(1, 2), offs=offs))
+        h = h * torch._grouped_mm(xs, self.w_up.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(h, self.w_down.transpose(1, 2), offs=offs)
+        out = torch.empty_like(y)
+        out[order] = y
+        return torch.where(valid.unsqueeze(1), out, 0)  # rows past the last group are not computed
 
     def dispatch(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> Dispatch:
         """Device only (no host sync), so a graph can capture it. `valid` marks real rows of a
@@ -133,9 +168,14 @@ class SparseMoE(nn.Module):
         return Dispatch(weights, order, x[order // k], local, counts)
 
     def exchange(self, d: Dispatch, out: torch.Tensor) -> None:
-        """Host-driven: send each destination its run of rows, compute the rows sent here, and
-        write the replies into `out` ([T*k, H]) in dispatch order, zeros for pairs not sent."""
+        """Send each destination its run of rows, compute the rows sent here, and write the
+        replies into `out` ([T*k, H]) in dispatch order, zeros for pairs not sent. Device work
+        through peer windows where the communicator has them, else host-driven."""
         comm, R = self.ep.comm, self.ep.map.max_ranks
+        if self.ep.windows is not None:
+            self.ep.misrouted.add_(d.counts[R] * self.ep.strict)
+            self.ep.windows.exchange(d.rows, d.local, d.counts, out, self.experts)
+            return
         counts = d.counts.tolist()
         if counts[R] and not self.ep.masked_warmup:
             raise RuntimeError(

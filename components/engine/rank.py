@@ -54,6 +54,7 @@ class RankConfig(msgspec.Struct, frozen=True):
     idle_wait_s: float = 0.002
     ep_timeout_s: float = 30.0
     vmm: bool = False  # CUDA: weights, expert slots and KV in one VMM arena (release_memory/restore_memory)
+    ep_transport: str = "auto"  # "auto": peer windows on CUDA (ep_window), else NIXL; "nixl": NIXL only
 
 
 # The share of the memory free at start a default-sized KV cache may take. Ranks can share a GPU,
@@ -115,6 +116,20 @@ def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, timeout_s: float =
     return NixlCommunicator(rank, max_ranks, capacity_bytes, device="cpu", timeout_s=timeout_s)
 
 
+def ep_communicator(cfg: RankConfig, device: torch.device, mc, dtype: torch.dtype, capacity_bytes: int):
+    """NIXL for the host-side collectives; on CUDA (unless `ep_transport` is "nixl") the MoE
+    exchange through same-node peer windows as well."""
+    host = nixl_comm(cfg.rank, cfg.max_ranks, capacity_bytes, cfg.ep_timeout_s)
+    if device.type != "cuda" or cfg.ep_transport == "nixl":
+        return host
+    from components.engine.ep_window import PeerWindows, WindowCommunicator
+    from components.engine.same_node import node_id
+
+    rows = max(cfg.max_batched_tokens, cfg.max_seqs) * mc.top_k  # the most one step sends one peer
+    windows = PeerWindows(cfg.rank, cfg.max_ranks, rows, mc.hidden_size, dtype, device, node_id(), cfg.ep_timeout_s)
+    return WindowCommunicator(host, windows)
+
+
 class EngineRank:
     def __init__(self, cfg: RankConfig, model_dir: str, comm: EPCommunicator | None = None, load_weights: bool = True):
         self.cfg = cfg
@@ -133,7 +148,7 @@ class EngineRank:
         # The largest message of a step: every token's top-k rows to one peer (row + int32 slot).
         row = mc.hidden_size * self.dtype.itemsize + 4
         capacity = max(64, cfg.max_batched_tokens * mc.top_k * row)
-        self.comm = comm or nixl_comm(cfg.rank, cfg.max_ranks, capacity, cfg.ep_timeout_s)
+        self.comm = comm or ep_communicator(cfg, self.device, mc, self.dtype, capacity)
         self.expert_map = ExpertMap(mc.num_layers, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
         self.model = build_model(mc, ExpertParallel(self.comm, self.expert_map), self.max_len, self.dtype, self.device)
         if load_weights:  # a joiner leaves them empty and pulls them from peers instead
@@ -164,6 +179,7 @@ class EngineRank:
         self._pause_waiters: list[Future] = []
         self._peers_busy = False
         self.ep_failed_peers: list[int] = []  # peers a collective failed on since the last configure
+        self._expert_rows = 0  # the device counter as of the last step
         # Called with what broke the step loop (a bug, not a peer); None: the loop thread raises.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._stop = False
@@ -193,7 +209,7 @@ class EngineRank:
             self.graphs.recapture()
         self.comm.mask_remote()
         self.expert_map.install(placement)
-        ep.masked_warmup = True
+        ep.set_masked_warmup(True)
         try:
             from components.engine.layers import ForwardBatch
 
@@ -220,7 +236,7 @@ class EngineRank:
             for _, moe in self.model.moe_layers:
                 moe.load.zero_()
         finally:
-            ep.masked_warmup = False
+            ep.set_masked_warmup(False)
         return time.perf_counter() - t0
 
     def release_memory(self) -> None:
@@ -252,7 +268,7 @@ class EngineRank:
 
     @property
     def expert_rows(self) -> int:
-        return sum(moe.rows_computed for _, moe in self.model.moe_layers)
+        return self._expert_rows
 
     def default_placement(self, active) -> Placement:
         mc = self.model_config
@@ -407,6 +423,16 @@ class EngineRank:
         for fut in waiters:
             fut.set_result(self.steps)
 
+    def _settle(self) -> None:
+        """Wait for the step's device work; a device exchange that gave up (EPError) or a pair
+        routed outside the active set raises here, before anything of the step is used."""
+        ep = self.model.ep
+        if ep.windows is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+            ep.windows.check()
+            ep.check_routes()
+        self._expert_rows = int(ep.rows_computed)
+
     def _step(self, has_work: bool) -> None:
         header = torch.tensor([int(has_work), int(self._pause_wanted)], dtype=torch.int64)
         raw = header.view(torch.uint8)
@@ -422,12 +448,14 @@ class EngineRank:
         work = self.sched.schedule()
         if not work:
             self.model.dummy_step()
+            self._settle()
             return
         batch = self.sched.batch(work, self.device)
         if self.graphs is not None and self.graphs.fits(batch):
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.kv)
+        self._settle()
         nxt: list[int | None] = []
         for i, (seq, n) in enumerate(work):
             if seq.num_computed + n < seq.sample_from:

@@ -381,55 +381,79 @@ class VmmExporter:
         self._sock.close()
 
 
+def _receive(address: str, timeout_s: float) -> tuple[list[tuple[int, int]], list[int]]:
+    """Ask the VmmExporter at `address` for its chunks: (offset, size) each, and their fds."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect("\0" + address)
+            msg, fds, _, _ = socket.recv_fds(s, 1 << 16, 256)
+        except OSError as e:
+            raise VmmError(f"could not get the memory of {address}: {e}") from None
+    try:
+        if not fds:
+            raise VmmError(f"{address} sent no memory (its export failed; see its log)")
+        layout = _layout_decoder.decode(msg)
+        if len(layout) != len(fds):
+            raise VmmError(f"{address} sent {len(fds)} descriptors for {len(layout)} chunks")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return layout, fds
+
+
+def _map_imported(d, device: torch.device, va: int, layout, fds) -> list:
+    """Import each chunk's fd and map it at `va` + its offset, read-write for `device`; closes the
+    fds. Returns the mapped (offset, size, handle); on failure nothing stays mapped."""
+    kind = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    handles: list = []
+    try:
+        for (off, size), fd in zip(layout, fds):
+            h = _check(d, "cuMemImportFromShareableHandle", d.cuMemImportFromShareableHandle(fd, kind))
+            handles.append((off, size, h))
+            _check(d, "cuMemMap", d.cuMemMap(d.CUdeviceptr(va + off), size, 0, h, 0))
+        acc = d.CUmemAccessDesc()
+        acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = device.index
+        acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        nbytes = max(o + n for o, n in layout)
+        _check(d, "cuMemSetAccess", d.cuMemSetAccess(d.CUdeviceptr(va), nbytes, [acc], 1))
+    except BaseException:
+        _unmap_imported(d, va, handles)
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return handles
+
+
+def _unmap_imported(d, va: int, handles) -> None:
+    for off, size, h in handles:
+        d.cuMemUnmap(d.CUdeviceptr(va + off), size)
+        d.cuMemRelease(h)
+
+
 class VmmImport:
     """Another process's arena mapped into this one (read-write), as one uint8 tensor."""
 
     def __init__(self, address: str, device=None, timeout_s: float = 10.0):
         self.device = _cuda_device(device)
         d = self._d = _driver()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout_s)
-            try:
-                s.connect("\0" + address)
-                msg, fds, _, _ = socket.recv_fds(s, 1 << 16, 256)
-            except OSError as e:
-                raise VmmError(f"could not get the memory of {address}: {e}") from None
+        layout, fds = _receive(address, timeout_s)
+        self.nbytes = max(o + n for o, n in layout)
         try:
-            if not fds:
-                raise VmmError(f"{address} sent no memory (its export failed; see its log)")
-            layout = _layout_decoder.decode(msg)
-            if len(layout) != len(fds):
-                raise VmmError(f"{address} sent {len(fds)} descriptors for {len(layout)} chunks")
-            self.nbytes = max(o + n for o, n in layout)
-            self._handles: list = []
             self._va = _check(d, "cuMemAddressReserve", d.cuMemAddressReserve(self.nbytes, 0, 0, 0))
-            kind = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            try:
-                for (off, size), fd in zip(layout, fds):
-                    h = _check(d, "cuMemImportFromShareableHandle", d.cuMemImportFromShareableHandle(fd, kind))
-                    self._handles.append((off, size, h))
-                    _check(d, "cuMemMap", d.cuMemMap(d.CUdeviceptr(int(self._va) + off), size, 0, h, 0))
-                acc = d.CUmemAccessDesc()
-                acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                acc.location.id = self.device.index
-                acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                _check(d, "cuMemSetAccess", d.cuMemSetAccess(self._va, self.nbytes, [acc], 1))
-            except BaseException:
-                self._unmap()
-                raise
-        finally:
+        except BaseException:
             for fd in fds:
                 os.close(fd)
+            raise
+        try:
+            self._handles = _map_imported(d, self.device, int(self._va), layout, fds)
+        except BaseException:
+            d.cuMemAddressFree(self._va, self.nbytes)
+            raise
         self.tensor = torch.as_tensor(_Raw(int(self._va), self.nbytes), device=self.device)
-
-    def _unmap(self) -> None:
-        d = self._d
-        mapped = self._handles
-        self._handles = []
-        for off, size, h in mapped:
-            d.cuMemUnmap(d.CUdeviceptr(int(self._va) + off), size)
-            d.cuMemRelease(h)
-        d.cuMemAddressFree(self._va, self.nbytes)
 
     def close(self) -> None:
         """Unmap (after the device finished reading) and drop our hold on the memory."""
@@ -437,7 +461,46 @@ class VmmImport:
             return
         self.tensor = None
         torch.cuda.synchronize(self.device)
-        self._unmap()
+        _unmap_imported(self._d, int(self._va), self._handles)
+        self._d.cuMemAddressFree(self._va, self.nbytes)
+
+
+class VmmWindow:
+    """`slots` fixed-address windows of `nbytes` each, reserved once, into which other processes'
+    arenas are mapped and unmapped (window i at `ptr + i * nbytes`); the range stays reserved, so
+    kernels and graphs that recorded a window's address stay valid across remaps."""
+
+    def __init__(self, slots: int, nbytes: int, device=None, timeout_s: float = 10.0):
+        self.device = _cuda_device(device)
+        d = self._d = _driver()
+        self.slots, self.nbytes, self.timeout_s = slots, nbytes, timeout_s
+        self._va = _check(d, "cuMemAddressReserve", d.cuMemAddressReserve(slots * nbytes, 0, 0, 0))
+        self.ptr = int(self._va)
+        self.mapped: dict[int, list] = {}
+
+    def map(self, i: int, address: str) -> int:
+        """Map the arena served at `address` into window i (replacing what was there); returns
+        the window's address."""
+        layout, fds = _receive(address, self.timeout_s)
+        if max(o + n for o, n in layout) > self.nbytes:
+            for fd in fds:
+                os.close(fd)
+            raise VmmError(f"{address} lends more than a {self.nbytes}-byte window holds")
+        self.unmap(i)
+        self.mapped[i] = _map_imported(self._d, self.device, self.ptr + i * self.nbytes, layout, fds)
+        return self.ptr + i * self.nbytes
+
+    def unmap(self, i: int) -> None:
+        """Unmap window i (after the device finished with it); its range stays reserved."""
+        handles = self.mapped.pop(i, None)
+        if handles:
+            torch.cuda.synchronize(self.device)
+            _unmap_imported(self._d, self.ptr + i * self.nbytes, handles)
+
+    def close(self) -> None:
+        for i in list(self.mapped):
+            self.unmap(i)
+        self._d.cuMemAddressFree(self._va, self.slots * self.nbytes)
 
 
 EXPERT_BUFFERS = ("w_gate", "w_up", "w_down")

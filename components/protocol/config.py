@@ -10,6 +10,9 @@ import msgspec
 ROUTER_MODES = ("round-robin", "random")
 
 
+EP_TRANSPORTS = ("auto", "nixl")
+
+
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     model: str = ""  # a Hugging Face checkpoint directory; "" = the built-in model
     served_model_name: str = ""  # "" = the built-in model's name, or the directory's name
@@ -28,6 +31,14 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # checkpoint then holds no weights) and mapped again at the same addresses on restore.
     # Same-node peers map the arena to pull from it (VMM file descriptors, not CUDA IPC).
     vmm: bool = False
+    # How the MoE exchange travels. "auto": on CUDA, through same-node peers' memory as device
+    # work inside the decode graph (every rank on one node); elsewhere, and with "nixl", the
+    # host-driven NIXL all-to-all (CPU, or ranks on several nodes).
+    ep_transport: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.ep_transport not in EP_TRANSPORTS:
+            raise ValueError(f"ep_transport must be one of {', '.join(EP_TRANSPORTS)}")
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
