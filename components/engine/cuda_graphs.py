@@ -103,10 +103,10 @@ class DecodeGraphs:
     def _capture(self, b: int) -> None:
         segs = self._segments(b)
         if self.model.ep.windows is not None:
-            layouts = self.dispatch[b]
+            layouts, parts = self.dispatch[b], segs
 
             def step():
-                for k, seg in enumerate(segs):
+                for k, seg in enumerate(parts):
                     seg()
                     if k < len(self.moes):
                         self.moes[k].exchange(layouts[k], self.y[k][: b * self.moes[k].top_k])

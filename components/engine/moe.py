@@ -62,8 +62,7 @@ class ExpertParallel:
         if n:
             self.misrouted.zero_()
             raise RuntimeError(
-                f"the expert map routed {n} (token, expert) pairs to ranks outside the active set "
-                f"{list(self.comm.active)}"
+                f"expert map routes {n} (token, expert) pairs to ranks outside the active set {list(self.comm.active)}"
             )
 
     def sync_mask(self) -> None:
@@ -140,9 +139,18 @@ class SparseMoE(nn.Module):
         counts = torch.zeros(S + 1, dtype=torch.int64, device=x.device).index_add_(0, key, torch.ones_like(key))
         offs = torch.cumsum(counts[:S], 0).to(torch.int32)
         xs = x[order]
-        h = F.silu(torch._grouped_mm(xs, self.w_gate.transpose(1, 2), offs=offs))
-        h = h * torch._grouped_mm(xs, self.w_up.transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(h, self.w_down.transpose(1, 2), offs=offs)
+        if x.is_cuda and x.dtype != torch.bfloat16:
+            # CUDA's grouped GEMM is bf16 only; its fallback syncs with the host. Every slot over
+            # every row instead: slots x the work, fine for the fp32 models this is for.
+            slot = key[order].unsqueeze(1)
+            y = torch.zeros_like(xs)
+            for s in range(S):
+                h = F.silu(xs @ self.w_gate[s].T) * (xs @ self.w_up[s].T)
+                y += torch.where(slot == s, h @ self.w_down[s].T, 0)
+        else:
+            h = F.silu(torch._grouped_mm(xs, self.w_gate.transpose(1, 2), offs=offs))
+            h = h * torch._grouped_mm(xs, self.w_up.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(h, self.w_down.transpose(1, 2), offs=offs)
         out = torch.empty_like(y)
         out[order] = y
         return torch.where(valid.unsqueeze(1), out, 0)  # rows past the last group are not computed
