@@ -254,6 +254,41 @@ def test_sampling_is_reproducible_with_a_seed_and_stops_on_stop_tokens(tmp_path)
         eng.stop()
 
 
+def test_a_seeded_completion_does_not_depend_on_its_batch(tmp_path):
+    """The sampling noise is keyed by (seed, position, token): a seeded request draws the same
+    tokens alone and batched with other requests (seeded, unseeded, greedy), and top_k=1 is greedy."""
+    import threading
+
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"))
+    eng.start()
+    seeded = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7}
+    try:
+        (alone,), _ = generate(eng, [PROMPTS[2]], MAX_NEW, ignore_eos=True, **seeded)
+        (greedy,), _ = generate(eng, [PROMPTS[2]], MAX_NEW, ignore_eos=True)
+        assert alone != greedy  # it really sampled
+        (top1,), _ = generate(eng, [PROMPTS[2]], MAX_NEW, ignore_eos=True, temperature=1.5, top_k=1, seed=3)
+        assert top1 == greedy
+
+        others = [{}, {"temperature": 1.0}, {"temperature": 0.5, "seed": 99}, seeded]
+        outs, done = {}, threading.Event()
+
+        def emit(o):
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finish_reason and sum(len(v) for v in outs.values()) == MAX_NEW * (len(others) + 1):
+                done.set()
+
+        eng.pause().result(30)  # every request enters the same first step
+        eng.submit(GenerateRequest("x", PROMPTS[2], MAX_NEW, ignore_eos=True, **seeded), emit)
+        for i, kw in enumerate(others):
+            eng.submit(GenerateRequest(str(i), PROMPTS[i % len(PROMPTS)], MAX_NEW, ignore_eos=True, **kw), emit)
+        eng.resume().result(30)
+        assert done.wait(120)
+        assert outs["x"] == alone
+        assert outs["0"] == generate(eng, [PROMPTS[0]], MAX_NEW, ignore_eos=True)[0][0]
+    finally:
+        eng.stop()
+
+
 def test_the_context_length_defaults_to_the_models_capped_by_memory(tmp_path, monkeypatch):
     """A model with 512 positions serves with the default max_len (its own, as vLLM defaults it);
     with too little memory for that, the longest multiple of 256 that fits; a length the model

@@ -303,15 +303,14 @@ class EngineRank:
             raise RequestError(f"replay must leave at least one prompt token: 0 <= replay < {n}, got {req.replay}")
         if req.temperature < 0 or not 0 < req.top_p <= 1:
             raise RequestError(f"temperature must be >= 0 and top_p in (0, 1]; got {req.temperature}, {req.top_p}")
+        if req.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0: no top-k cut); got {req.top_k}")
 
     def submit(self, req: GenerateRequest, emit: Callable[[TokenOutput], None]) -> None:
         """Queue a request; `emit` is called on the loop thread with each new token and the end."""
         self.validate(req)
-        gen = None
-        if req.temperature > 0:
-            gen = torch.Generator()
-            gen.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
-        seq = Sequence(req=req, emit=emit, tokens=list(req.prompt), generator=gen)
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        seq = Sequence(req=req, emit=emit, tokens=list(req.prompt), seed=seed % (1 << 63))
         self.requests_total += 1
         self._post(lambda: self.sched.add(seq))
 
@@ -428,10 +427,19 @@ class EngineRank:
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.kv)
-        nxt: list[int | None] = []
-        for i, (seq, n) in enumerate(work):
-            if seq.num_computed + n < seq.sample_from:
-                nxt.append(None)
-            else:
-                nxt.append(sample(logits[i], seq.req.temperature, seq.req.top_p, seq.generator))
-        self.sched.update(work, nxt)
+        ids = self._sample(logits, work)
+        done = [seq.num_computed + n >= seq.sample_from for seq, n in work]
+        self.sched.update(work, [t if d else None for t, d in zip(ids, done)])
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, work: list[tuple[Sequence, int]]) -> list[int]:
+        """Every row's next token in one batched draw on the device; reading the ids is the
+        step's only host sync. Rows of a prefill chunk that is not the last are drawn and ignored."""
+        dev, reqs = logits.device, [seq.req for seq, _ in work]
+        floats = torch.tensor([[r.temperature for r in reqs], [r.top_p for r in reqs]], dtype=torch.float32, device=dev)
+        ints = torch.tensor(
+            [[r.top_k for r in reqs], [seq.seed for seq, _ in work], [seq.num_computed + n for seq, n in work]],
+            dtype=torch.int64,
+            device=dev,
+        )
+        return sample(logits, floats[0], floats[1], ints[0], ints[1], ints[2]).tolist()

@@ -22,7 +22,7 @@ class Sequence:
     tokens: list[int]
     slot: int = -1
     num_computed: int = 0  # tokens whose K/V are in the cache
-    generator: torch.Generator | None = None
+    seed: int = 0  # keys the sampling noise with the position (sampler.gumbel_noise); < 2**63
     generated: list[int] = field(default_factory=list)
     replay_diverged: bool = False
 
