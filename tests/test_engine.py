@@ -226,6 +226,7 @@ def test_bad_requests_are_refused_with_the_reason(tmp_path):
         (GenerateRequest("c", [1, 999], 4), "token ids [999] are outside the vocabulary (size 128)"),
         (GenerateRequest("d", [1], 0), "max_tokens must be at least 1"),
         (GenerateRequest("e", [1], 4, temperature=1.0, top_p=0.0), "top_p in (0, 1]"),
+        (GenerateRequest("g", [1], 4, temperature=1.0, top_k=-1), "top_k must be >= 0 (0: no top-k cut); got -1"),
         (
             GenerateRequest("f", [1, 2], 4, replay=2),
             "replay must leave at least one prompt token: 0 <= replay < 2, got 2",
