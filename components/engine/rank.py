@@ -211,6 +211,7 @@ class EngineRank:
                     last_index=torch.arange(n - 1, b * n, n, device=self.device),
                     q_lens=[n] * b,
                     ctx_lens_list=[n] * b,
+                    slots_list=[scratch] * b,
                     kv_len=n,
                 )
                 if self.graphs is not None and self.graphs.fits(batch):
