@@ -190,6 +190,38 @@ def test_dispatch_follows_the_device_ep_mask(tmp_path, device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_experts_apply_each_rows_slot_and_zero_padding_rows(tmp_path, device, grouped, monkeypatch):
+    """Grouped GEMMs (or, where they would sync, every slot over every row) equal the expert of
+    each row's slot applied row by row; rows marked -1 or past the slots come back as zeros. On
+    CUDA the grouped form runs in bf16 (its kernel's only dtype), the other in fp32."""
+    from components.engine import moe as moe_mod
+
+    if not grouped:
+        monkeypatch.setattr(moe_mod, "_grouped_mm_runs", lambda w, x: False)
+    dtype = "bfloat16" if grouped and device == "cuda" else ""
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), device, dtype=dtype)
+    _, moe = eng.model.moe_layers[0]
+    S = eng.slots_per_rank
+    torch.manual_seed(0)
+    x = torch.randn(13, eng.model_config.hidden_size, device=eng.device).to(moe.w_gate.dtype)
+    if dtype:
+        assert moe_mod._grouped_mm_runs(moe.w_gate, x), "an sm90/sm100 GPU runs torch._grouped_mm in bf16"
+    tol = {"rtol": 2e-2, "atol": 1e-4} if dtype else {"rtol": 1e-5, "atol": 1e-5}
+    local = torch.tensor([3, 0, -1, 3, S - 1, S, 1, 1, -1, 0, 2, 5, 3], dtype=torch.int32, device=eng.device)
+    got = moe.experts(x, local)
+    for i, s in enumerate(local.tolist()):
+        if not 0 <= s < S:
+            assert (got[i] == 0).all()
+            continue
+        h = x[i : i + 1]
+        want = (torch.nn.functional.silu(h @ moe.w_gate[s].T) * (h @ moe.w_up[s].T)) @ moe.w_down[s].T
+        torch.testing.assert_close(got[i : i + 1], want, **tol)
+    assert moe.experts(x[:0], local[:0]).shape == (0, x.shape[1])
+    eng.comm.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_handed_over_request_replays_to_the_same_tokens(tmp_path, device):
     """A request continued elsewhere after k tokens (prompt + those k, replay=k) takes the steps
     the uninterrupted one took and continues with its tokens, greedy and seeded; in bf16 on a GPU
