@@ -205,8 +205,8 @@ def test_experts_apply_each_rows_slot_and_zero_padding_rows(tmp_path, device, gr
     S = eng.slots_per_rank
     torch.manual_seed(0)
     x = torch.randn(13, eng.model_config.hidden_size, device=eng.device).to(moe.w_gate.dtype)
-    if dtype:
-        assert moe_mod._grouped_mm_runs(moe.w_gate, x), "an sm90/sm100 GPU runs torch._grouped_mm in bf16"
+    if dtype and torch.cuda.get_device_capability(eng.device)[0] in (9, 10):  # Hopper, Blackwell
+        assert moe_mod._grouped_mm_runs(moe.w_gate, x), "torch._grouped_mm runs bf16 on this GPU"
     tol = {"rtol": 2e-2, "atol": 1e-4} if dtype else {"rtol": 1e-5, "atol": 1e-5}
     local = torch.tensor([3, 0, -1, 3, S - 1, S, 1, 1, -1, 0, 2, 5, 3], dtype=torch.int32, device=eng.device)
     got = moe.experts(x, local)
