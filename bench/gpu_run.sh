@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU runs behind the H200 numbers in bench/results (*_h200*.json), one step at a time:
-#   bench/gpu_run.sh tests pull scale handover
+#   bench/gpu_run.sh tests pull scale handover decode
 # tests:    every gpu-marked test ($TESTS narrows the files).
 # pull:     bench.weight_pull with 8 GB on one GPU, and from a second GPU when there is one.
 # scale:    bench.scale, modes $MODES (default A,B,C; D and the restart come with C), on a 5.4 GiB
 #           Mixtral-shaped model, rank r on GPU r % GPUs. A device call of 10 minutes holds C or
 #           A,B but not all three.
 # handover: bench.handover (recompute against replay) on that model in bf16.
+# decode:   bench.decode on that model, batch 1-64 per rank: 1 rank, and with two GPUs 2 ranks one
+#           per GPU, then 2 and 4 ranks two per GPU.
 # Results go to $OUT (default bench/results). Needs torch with CUDA, and nixl-cu13, msgspec and
 # ai-dynamo-runtime importable.
 set -uo pipefail
@@ -38,7 +40,16 @@ for step in "$@"; do
     handover)
         [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
         $PY -m bench.handover --model /tmp/mxl --out "$OUT/handover_h200.json" || rc=1 ;;
-    *) echo "unknown step $step (tests, pull, scale, handover)"; exit 2 ;;
+    decode)
+        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        ranks=$([ "$gpus" -gt 1 ] && echo 1,2 || echo 1)
+        $PY -m bench.decode --device cuda --model /tmp/mxl --ranks $ranks --batch 1,8,32,64 \
+            --out "$OUT/decode_h200${suffix}.json" || rc=1
+        if [ "$gpus" -gt 1 ]; then
+            $PY -m bench.decode --device cuda --model /tmp/mxl --ranks 2,4 --ranks-per-gpu 2 --batch 1,8,32,64 \
+                --out "$OUT/decode_h200${suffix}_shared.json" || rc=1
+        fi ;;
+    *) echo "unknown step $step (tests, pull, scale, handover, decode)"; exit 2 ;;
     esac
 done
 exit $rc

@@ -153,8 +153,7 @@ def to_request(raw: dict[str, Any], max_len: int):
         ("sampling_options", "presence_penalty", (0,), "presence_penalty", "it applies no sampling penalties"),
         ("sampling_options", "frequency_penalty", (0,), "frequency_penalty", "it applies no sampling penalties"),
         ("sampling_options", "repetition_penalty", (1,), "repetition_penalty", "it applies no sampling penalties"),
-        ("sampling_options", "top_k", (0, -1), "top_k", "it samples by temperature, top_p and seed only"),
-        ("sampling_options", "min_p", (0,), "min_p", "it samples by temperature, top_p and seed only"),
+        ("sampling_options", "min_p", (0,), "min_p", "it samples by temperature, top_k, top_p and seed only"),
         ("sampling_options", "guided_decoding", (), "response_format / guided decoding", "it has no guided decoding"),
         ("output_options", "logprobs", (), "logprobs / top_logprobs", "it returns no log probabilities"),
         # Completions' `echo` arrives as prompt_logprobs.
@@ -180,6 +179,7 @@ def to_request(raw: dict[str, Any], max_len: int):
         max_tokens=max_tokens if max_tokens is not None else max(1, max_len - len(prompt)),
         temperature=samp.get("temperature") or 0.0,
         top_p=samp.get("top_p") if samp.get("top_p") is not None else 1.0,
+        top_k=max(0, samp.get("top_k") or 0),  # -1 and 0 both mean no cut, as in vLLM
         seed=samp.get("seed"),
         stop_token_ids=list(stop.get("stop_token_ids_hidden") or []),
         ignore_eos=bool(stop.get("ignore_eos")),

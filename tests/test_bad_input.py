@@ -84,7 +84,6 @@ REFUSED = {
         {"repetition_penalty": 1.2999999523162842},
         "repetition_penalty=1.3",
     ),
-    "top_k=5": ("sampling_options", {"top_k": 5}, "top_k=5"),
     "min_p=0.1": ("sampling_options", {"min_p": 0.10000000149011612}, "min_p=0.1"),
     "response_format json_object": (
         "sampling_options",
@@ -138,13 +137,14 @@ def test_neutral_and_frontend_parameters_are_accepted(case: str) -> None:
 
 
 def test_supported_parameters_reach_the_engine() -> None:
-    raw = shaped("sampling_options", temperature=0.5, top_p=0.8999999761581421, seed=3)
+    raw = shaped("sampling_options", temperature=0.5, top_p=0.8999999761581421, top_k=5, seed=3)
     raw["stop_conditions"]["ignore_eos"] = True
     assert plain_fields(raw) == {
         "prompt": [487, 112, 115],
         "max_tokens": 3,
         "temperature": 0.5,
         "top_p": 0.8999999761581421,
+        "top_k": 5,
         "seed": 3,
         "stop_token_ids": [1, 3],
         "ignore_eos": True,

@@ -191,6 +191,38 @@ def test_dispatch_follows_the_device_ep_mask(tmp_path, device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_experts_apply_each_rows_slot_and_zero_padding_rows(tmp_path, device, grouped, monkeypatch):
+    """Grouped GEMMs (or, where they would sync, every slot over every row) equal the expert of
+    each row's slot applied row by row; rows marked -1 or past the slots come back as zeros. On
+    CUDA the grouped form runs in bf16 (its kernel's only dtype), the other in fp32."""
+    from components.engine import moe as moe_mod
+
+    if not grouped:
+        monkeypatch.setattr(moe_mod, "_grouped_mm_runs", lambda w, x: False)
+    dtype = "bfloat16" if grouped and device == "cuda" else ""
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), device, dtype=dtype)
+    _, moe = eng.model.moe_layers[0]
+    S = eng.slots_per_rank
+    torch.manual_seed(0)
+    x = torch.randn(13, eng.model_config.hidden_size, device=eng.device).to(moe.w_gate.dtype)
+    if dtype and torch.cuda.get_device_capability(eng.device)[0] in (9, 10):  # Hopper, Blackwell
+        assert moe_mod._grouped_mm_runs(moe.w_gate, x), "torch._grouped_mm runs bf16 on this GPU"
+    tol = {"rtol": 2e-2, "atol": 1e-4} if dtype else {"rtol": 1e-5, "atol": 1e-5}
+    local = torch.tensor([3, 0, -1, 3, S - 1, S, 1, 1, -1, 0, 2, 5, 3], dtype=torch.int32, device=eng.device)
+    got = moe.experts(x, local)
+    for i, s in enumerate(local.tolist()):
+        if not 0 <= s < S:
+            assert (got[i] == 0).all()
+            continue
+        h = x[i : i + 1]
+        want = (torch.nn.functional.silu(h @ moe.w_gate[s].T) * (h @ moe.w_up[s].T)) @ moe.w_down[s].T
+        torch.testing.assert_close(got[i : i + 1], want, **tol)
+    assert moe.experts(x[:0], local[:0]).shape == (0, x.shape[1])
+    eng.comm.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_handed_over_request_replays_to_the_same_tokens(tmp_path, device):
     """A request continued elsewhere after k tokens (prompt + those k, replay=k) takes the steps
     the uninterrupted one took and continues with its tokens, greedy and seeded; in bf16 on a GPU
@@ -227,6 +259,7 @@ def test_bad_requests_are_refused_with_the_reason(tmp_path):
         (GenerateRequest("c", [1, 999], 4), "token ids [999] are outside the vocabulary (size 128)"),
         (GenerateRequest("d", [1], 0), "max_tokens must be at least 1"),
         (GenerateRequest("e", [1], 4, temperature=1.0, top_p=0.0), "top_p in (0, 1]"),
+        (GenerateRequest("g", [1], 4, temperature=1.0, top_k=-1), "top_k must be >= 0 (0: no top-k cut); got -1"),
         (
             GenerateRequest("f", [1, 2], 4, replay=2),
             "replay must leave at least one prompt token: 0 <= replay < 2, got 2",
@@ -251,6 +284,41 @@ def test_sampling_is_reproducible_with_a_seed_and_stops_on_stop_tokens(tmp_path)
         stop = greedy[0][3]
         cut, ends = generate(eng, PROMPTS[:1], MAX_NEW, stop_token_ids=[stop], ignore_eos=True)
         assert cut[0] == greedy[0][: greedy[0].index(stop) + 1] and ends == ["stop"]
+    finally:
+        eng.stop()
+
+
+def test_a_seeded_completion_does_not_depend_on_its_batch(tmp_path):
+    """The sampling noise is keyed by (seed, position, token): a seeded request draws the same
+    tokens alone and batched with other requests (seeded, unseeded, greedy), and top_k=1 is greedy."""
+    import threading
+
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"))
+    eng.start()
+    seeded = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7}
+    try:
+        (alone,), _ = generate(eng, [PROMPTS[2]], MAX_NEW, ignore_eos=True, **seeded)
+        (greedy,), _ = generate(eng, [PROMPTS[2]], MAX_NEW, ignore_eos=True)
+        assert alone != greedy  # it really sampled
+        (top1,), _ = generate(eng, [PROMPTS[2]], MAX_NEW, ignore_eos=True, temperature=1.5, top_k=1, seed=3)
+        assert top1 == greedy
+
+        others = [{}, {"temperature": 1.0}, {"temperature": 0.5, "seed": 99}, seeded]
+        outs, done = {}, threading.Event()
+
+        def emit(o):
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finish_reason and sum(len(v) for v in outs.values()) == MAX_NEW * (len(others) + 1):
+                done.set()
+
+        eng.pause().result(30)  # every request enters the same first step
+        eng.submit(GenerateRequest("x", PROMPTS[2], MAX_NEW, ignore_eos=True, **seeded), emit)
+        for i, kw in enumerate(others):
+            eng.submit(GenerateRequest(str(i), PROMPTS[i % len(PROMPTS)], MAX_NEW, ignore_eos=True, **kw), emit)
+        eng.resume().result(30)
+        assert done.wait(120)
+        assert outs["x"] == alone
+        assert outs["0"] == generate(eng, [PROMPTS[0]], MAX_NEW, ignore_eos=True)[0][0]
     finally:
         eng.stop()
 

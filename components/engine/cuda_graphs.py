@@ -68,6 +68,7 @@ class DecodeGraphs:
             last_index=torch.arange(b, device=self.ids.device),
             q_lens=[1] * b,
             ctx_lens_list=[],
+            slots_list=[],
             kv_len=self.kv.max_len,
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ class ForwardBatch:
     last_index: torch.Tensor  # [B] index in T of each sequence's last token
     q_lens: list[int]
     ctx_lens_list: list[int]
+    slots_list: list[int]  # `slots` on the host: prefill slices by it without a device sync
     kv_len: int  # keys read per decode sequence: max context here, the whole cache under a graph
 
     @property
@@ -92,7 +94,8 @@ class Attention(nn.Module):
         if batch.decode_only:
             out = self._decode(q, kc, vc, batch)
         else:
-            out = torch.cat([self._prefill(q, kc, vc, batch, i) for i in range(len(batch.q_lens))])
+            starts = itertools.accumulate(batch.q_lens[:-1], initial=0)
+            out = torch.cat([self._prefill(q, kc, vc, batch, i, s) for i, s in enumerate(starts)])
         return self.o_proj(out.reshape(T, self.nh * self.hd))
 
     def _decode(self, q, kc, vc, batch: ForwardBatch) -> torch.Tensor:
@@ -104,10 +107,9 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, enable_gqa=True)
         return out.squeeze(2)
 
-    def _prefill(self, q, kc, vc, batch: ForwardBatch, i: int) -> torch.Tensor:
-        n, ctx = batch.q_lens[i], batch.ctx_lens_list[i]
-        start = int(batch.last_index[i]) - n + 1
-        slot = int(batch.slots[i])
+    def _prefill(self, q, kc, vc, batch: ForwardBatch, i: int, start: int) -> torch.Tensor:
+        """Sequence i, whose tokens start at `start` in the batch (they are laid out in order)."""
+        n, ctx, slot = batch.q_lens[i], batch.ctx_lens_list[i], batch.slots_list[i]
         qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
         keys = kc[slot, :ctx].transpose(0, 1).unsqueeze(0)
         vals = vc[slot, :ctx].transpose(0, 1).unsqueeze(0)

@@ -100,6 +100,24 @@ def _unpack(buf: torch.Tensor, hidden: int, dtype: torch.dtype, src: int) -> tup
     return buf[: n * row].view(dtype).view(n, hidden), buf[n * row :].view(torch.int32)
 
 
+def _grouped_mm_runs(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these [S, I, H] expert weights and [N, H] rows without a
+    host sync. Its CUDA kernel (CUTLASS) covers bf16 on sm90 and sm100 only; any other dtype or GPU
+    goes to a fallback that copies the group ends to the host. Every operand's row stride must be
+    a multiple of 16 bytes (H for the gate/up views, I for the down view and the rows)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    S, I, H = w.shape
+    if (H * w.element_size()) % 16 or (I * w.element_size()) % 16:
+        return False
+    if w.device.type == "cpu":
+        return True
+    if w.device.type != "cuda" or w.dtype != torch.bfloat16:
+        return False
+    major, minor = torch.cuda.get_device_capability(w.device)
+    return (major, minor) == (9, 0) or major == 10
+
+
 class SparseMoE(nn.Module):
     """Top-k routed experts over EP. `gate` is the router; expert weights live in slot tensors."""
 
@@ -128,32 +146,40 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), experts
 
     def experts(self, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """The SwiGLU experts of this rank's slots over rows `x`, row i through slot `local[i]`;
-        a row with slot -1 gives zeros. Grouped GEMMs over the rows sorted by slot, with no host
-        sync, so a fixed number of rows can be graph-captured."""
+        """The SwiGLU expert of slot `local[i]` applied to row `x[i]`, zeros for rows whose slot
+        is out of range (-1 marks padding), without a host sync: the row count can stay fixed, so
+        a graph can capture it. Rows are grouped by slot (a stable sort) and each projection is
+        one grouped GEMM over the groups, then put back in their order."""
         S = self.ep.slots_per_rank
-        valid = local >= 0
-        self.ep.rows_computed.add_(valid.sum())
-        key = torch.where(valid, local, S).long()
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        real = (local >= 0) & (local < S)
+        self.ep.rows_computed.add_(real.sum())
+        key = torch.where(real, local.long(), S)  # padding sorts behind every group
+        if not _grouped_mm_runs(self.w_gate, x):
+            return self._experts_per_slot(x, key)
         order = torch.argsort(key, stable=True)
-        counts = torch.zeros(S + 1, dtype=torch.int64, device=x.device).index_add_(0, key, torch.ones_like(key))
-        offs = torch.cumsum(counts[:S], 0).to(torch.int32)
-        xs = x[order]
-        if x.is_cuda and x.dtype != torch.bfloat16:
-            # CUDA's grouped GEMM is bf16 only; its fallback syncs with the host. Every slot over
-            # every row instead: slots x the work, fine for the fp32 models this is for.
-            slot = key[order].unsqueeze(1)
-            y = torch.zeros_like(xs)
-            for s in range(S):
-                h = F.silu(xs @ self.w_gate[s].T) * (xs @ self.w_up[s].T)
-                y += torch.where(slot == s, h @ self.w_down[s].T, 0)
-        else:
-            h = F.silu(torch._grouped_mm(xs, self.w_gate.transpose(1, 2), offs=offs))
-            h = h * torch._grouped_mm(xs, self.w_up.transpose(1, 2), offs=offs)
-            y = torch._grouped_mm(h, self.w_down.transpose(1, 2), offs=offs)
-        out = torch.empty_like(y)
-        out[order] = y
-        return torch.where(valid.unsqueeze(1), out, 0)  # rows past the last group are not computed
+        per_slot = torch.zeros(S + 1, dtype=torch.int32, device=x.device)
+        per_slot.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+        ends = torch.cumsum(per_slot[:S], 0, dtype=torch.int32)
+        h = x[order]
+        # [S, I, H] slots read as [S, H, I] views: no copy, and slot names keep their tensors.
+        gate = torch._grouped_mm(h, self.w_gate.transpose(1, 2), offs=ends)
+        up = torch._grouped_mm(h, self.w_up.transpose(1, 2), offs=ends)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w_down.transpose(1, 2), offs=ends)
+        # Rows past the last group end come back uninitialised (NaN or Inf alike): select, not scale.
+        y = torch.where(real[order].unsqueeze(1), y, 0)
+        return torch.empty_like(x).index_copy_(0, order, y)
+
+    def _experts_per_slot(self, x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """Every slot over every row, each row keeping its own slot's result: S times the FLOPs of
+        the grouped form, but no host sync (torch's own fallback for _grouped_mm reads the group
+        ends on the host, which a captured graph cannot do)."""
+        out = torch.zeros_like(x)
+        for s in range(self.ep.slots_per_rank):
+            y = (F.silu(x @ self.w_gate[s].T) * (x @ self.w_up[s].T)) @ self.w_down[s].T
+            out = torch.where((key == s).unsqueeze(1), y, out)
+        return out
 
     def dispatch(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> Dispatch:
         """Device only (no host sync), so a graph can capture it. `valid` marks real rows of a

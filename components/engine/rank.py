@@ -227,6 +227,7 @@ class EngineRank:
                     last_index=torch.arange(n - 1, b * n, n, device=self.device),
                     q_lens=[n] * b,
                     ctx_lens_list=[n] * b,
+                    slots_list=[scratch] * b,
                     kv_len=n,
                 )
                 if self.graphs is not None and self.graphs.fits(batch):
@@ -319,15 +320,14 @@ class EngineRank:
             raise RequestError(f"replay must leave at least one prompt token: 0 <= replay < {n}, got {req.replay}")
         if req.temperature < 0 or not 0 < req.top_p <= 1:
             raise RequestError(f"temperature must be >= 0 and top_p in (0, 1]; got {req.temperature}, {req.top_p}")
+        if req.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0: no top-k cut); got {req.top_k}")
 
     def submit(self, req: GenerateRequest, emit: Callable[[TokenOutput], None]) -> None:
         """Queue a request; `emit` is called on the loop thread with each new token and the end."""
         self.validate(req)
-        gen = None
-        if req.temperature > 0:
-            gen = torch.Generator()
-            gen.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
-        seq = Sequence(req=req, emit=emit, tokens=list(req.prompt), generator=gen)
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        seq = Sequence(req=req, emit=emit, tokens=list(req.prompt), seed=seed % (1 << 63))
         self.requests_total += 1
         self._post(lambda: self.sched.add(seq))
 
@@ -423,12 +423,14 @@ class EngineRank:
         for fut in waiters:
             fut.set_result(self.steps)
 
-    def _settle(self) -> None:
-        """Wait for the step's device work; a device exchange that gave up (EPError) or a pair
-        routed outside the active set raises here, before anything of the step is used."""
+    def _settle(self, synced: bool = False) -> None:
+        """After the step's device work (`synced`: the caller already waited for it): a device
+        exchange that gave up (EPError) or a pair routed outside the active set raises here,
+        before anything of the step is used."""
         ep = self.model.ep
         if ep.windows is not None:
-            torch.cuda.current_stream(self.device).synchronize()
+            if not synced:
+                torch.cuda.current_stream(self.device).synchronize()
             ep.windows.check()
             ep.check_routes()
         self._expert_rows = int(ep.rows_computed)
@@ -455,11 +457,20 @@ class EngineRank:
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.kv)
-        self._settle()
-        nxt: list[int | None] = []
-        for i, (seq, n) in enumerate(work):
-            if seq.num_computed + n < seq.sample_from:
-                nxt.append(None)
-            else:
-                nxt.append(sample(logits[i], seq.req.temperature, seq.req.top_p, seq.generator))
-        self.sched.update(work, nxt)
+        ids = self._sample(logits, work)
+        self._settle(synced=True)  # a step whose exchange gave up is discarded here
+        done = [seq.num_computed + n >= seq.sample_from for seq, n in work]
+        self.sched.update(work, [t if d else None for t, d in zip(ids, done)])
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, work: list[tuple[Sequence, int]]) -> list[int]:
+        """Every row's next token in one batched draw on the device; reading the ids is the
+        step's only host sync. Rows of a prefill chunk that is not the last are drawn and ignored."""
+        dev, reqs = logits.device, [seq.req for seq, _ in work]
+        floats = torch.tensor([[r.temperature for r in reqs], [r.top_p for r in reqs]], dtype=torch.float32, device=dev)
+        ints = torch.tensor(
+            [[r.top_k for r in reqs], [seq.seed for seq, _ in work], [seq.num_computed + n for seq, n in work]],
+            dtype=torch.int64,
+            device=dev,
+        )
+        return sample(logits, floats[0], floats[1], ints[0], ints[1], ints[2]).tolist()

@@ -11,6 +11,7 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False

@@ -1,18 +1,70 @@
-"""Greedy and temperature/top-p sampling, one generator per request so a seed reproduces."""
+"""Greedy, temperature, top-k and top-p sampling for a whole batch on the device.
+
+A seeded request must reproduce whichever sequences share its batch and whichever rank continues
+it after a handover, so its randomness cannot come from a generator whose state depends on the
+draws before. Each draw is a Gumbel-max over the kept tokens with noise from a counter-based hash
+of (request seed, position of the token being sampled, vocabulary index): a pure function of the
+request and the step, computed with integer ops on the device. No host sync happens here; the
+caller reads the sampled ids once per step.
+"""
 
 from __future__ import annotations
 
 import torch
 
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never wraps
+# (wrapping is undefined behaviour in the kernels) and the same bits come out on every device.
+_M1, _M2 = 0x7FEB352D, 0x2C1B3C6D
+_GOLDEN = 0x9E3779B9
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    if temperature <= 0.0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
-        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) of values in [0, 2**32), in int64."""
+    x = x ^ _GOLDEN
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _M2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 standard Gumbel noise, a function of (seed[b], position[b], index) only."""
+    idx = torch.arange(vocab, dtype=torch.int64, device=seed.device).unsqueeze(0)
+    h = _mix(idx)
+    h = _mix(h ^ (position.unsqueeze(1) & _MASK32))
+    h = _mix(h ^ ((seed.unsqueeze(1) >> 32) & _MASK32))
+    h = _mix(h ^ (seed.unsqueeze(1) & _MASK32))
+    u = (h.to(torch.float64) + 0.5) * 2.0**-32  # in (0, 1), never 0 or 1
+    return (-torch.log(-torch.log(u))).to(torch.float32)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seed: torch.Tensor,
+    position: torch.Tensor,
+) -> torch.Tensor:
+    """The next token of each row of `logits` ([B, V] float32), as a [B] int64 device tensor.
+
+    Per row: temperature 0 is greedy; otherwise the token is drawn from softmax(logits / T)
+    restricted to the `top_k` most likely tokens (0: all), then to the smallest prefix of those
+    whose mass reaches `top_p` (the top token always stays). `seed` is an int64 in [0, 2**63);
+    `position` is the index in the sequence of the token being sampled."""
+    B, V = logits.shape
+    greedy = torch.argmax(logits, dim=-1)
+    sampled = temperature > 0
+    scaled = logits / torch.where(sampled, temperature, 1.0).unsqueeze(1)
+    sorted_logits, idx = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(V, device=logits.device).unsqueeze(0)
+    keep = (top_k.unsqueeze(1) <= 0) | (rank < top_k.unsqueeze(1))
+    # top_p over the top-k distribution, renormalised (as vLLM applies them).
+    p = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    keep &= torch.cumsum(p, dim=-1) - p < top_p.unsqueeze(1)
+    keep[:, 0] = True
+    kept = torch.zeros_like(keep).scatter_(1, idx, keep)
+    score = torch.where(kept, scaled + gumbel_noise(seed, position, V), float("-inf"))
+    return torch.where(sampled, torch.argmax(score, dim=-1), greedy)

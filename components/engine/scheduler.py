@@ -22,7 +22,7 @@ class Sequence:
     tokens: list[int]
     slot: int = -1
     num_computed: int = 0  # tokens whose K/V are in the cache
-    generator: torch.Generator | None = None
+    seed: int = 0  # keys the sampling noise with the position (sampler.gumbel_noise); < 2**63
     generated: list[int] = field(default_factory=list)
     replay_diverged: bool = False
 
@@ -89,6 +89,8 @@ class Scheduler:
             last.append(len(ids) - 1)
             ctx.append(start + n)
 
+        slots = [s.slot for s, _ in work]
+
         def t(v):
             return torch.tensor(v, dtype=torch.int64, device=device)
 
@@ -96,11 +98,12 @@ class Scheduler:
             input_ids=t(ids),
             positions=t(pos),
             token_slots=t(tslots),
-            slots=t([s.slot for s, _ in work]),
+            slots=t(slots),
             ctx_lens=t(ctx),
             last_index=t(last),
             q_lens=[n for _, n in work],
             ctx_lens_list=ctx,
+            slots_list=slots,
             kv_len=graph_len or max(ctx),
         )
 

@@ -1,0 +1,55 @@
+"""bench.decode: the weight floor it reports beside the measurements, and a CI-size run on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import decode
+
+E, K, DENSE, EXPERT = 8, 2, 1000.0, 100.0
+
+
+def report(rank: int, device: str, experts: list[int]) -> dict:
+    return {"device": device, "dense_bytes": DENSE, "expert_bytes": EXPERT, "top_k": K, "local_experts": [experts]}
+
+
+def run(load: list[int]) -> dict:
+    return {"load": [load]}
+
+
+def test_floor_reads_the_touched_experts_and_adds_up_ranks_per_device():
+    uniform = [10] * E  # 40 tokens, each to K of E experts: a share of 1/4 each
+    one = [report(0, "cuda:0", list(range(E)))]
+    # One token touches exactly K experts.
+    f = decode.weight_floor(one, [run(uniform)], batch=1, hbm_gbps=1.0)
+    assert f["experts_touched_per_rank"] == [pytest.approx(K)]
+    assert f["floor_step_ms"] == pytest.approx((DENSE + K * EXPERT) / 1e9 * 1e3)
+    # At a large batch every expert is touched.
+    f = decode.weight_floor(one, [run(uniform)], batch=256, hbm_gbps=1.0)
+    assert f["experts_touched_per_rank"] == [pytest.approx(E)]
+    # An expert no token chooses is never read.
+    f = decode.weight_floor(one, [run([20, 20] + [0] * (E - 2))], batch=256, hbm_gbps=1.0)
+    assert f["experts_touched_per_rank"] == [pytest.approx(2)]
+    # Two ranks, experts split: on two devices the busiest sets the step; on one they add up.
+    halves = [list(range(4)), list(range(4, 8))]
+    apart = [report(r, f"cuda:{r}", halves[r]) for r in range(2)]
+    shared = [report(r, "cuda:0", halves[r]) for r in range(2)]
+    runs = [run([5] * E), run([5] * E)]
+    a = decode.weight_floor(apart, runs, batch=128, hbm_gbps=1.0)
+    s = decode.weight_floor(shared, runs, batch=128, hbm_gbps=1.0)
+    assert a["floor_step_ms"] == pytest.approx((DENSE + 4 * EXPERT) / 1e6)
+    assert s["floor_step_ms"] == pytest.approx(2 * a["floor_step_ms"])
+    assert a["floor_tok_s"] == pytest.approx(2 * 128 / (a["floor_step_ms"] / 1e3))
+
+
+def test_a_ci_size_run_on_cpu(tmp_path):
+    out = tmp_path / "decode.json"
+    decode.main(["--ranks", "1,2", "--batch", "1,2", "--prompt-len", "4", "--gen-len", "3", "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["results"]
+    assert [(r["ranks"], r["seqs_per_rank"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    for r in rows:
+        assert r["decode_tokens"] == 2 * r["ranks"] * r["seqs_per_rank"]  # gen 3: one prefill token, then 2
+        assert r["decode_tok_s_total"] > 0 and r["floor_step_ms"] > 0 and r["devices"] == ["cpu"]
