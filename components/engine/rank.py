@@ -54,7 +54,10 @@ class RankConfig(msgspec.Struct, frozen=True):
     idle_wait_s: float = 0.002
     ep_timeout_s: float = 30.0
     vmm: bool = False  # CUDA: weights, expert slots and KV in one VMM arena (release_memory/restore_memory)
-    ep_transport: str = "auto"  # "auto": peer windows on CUDA (ep_window), else NIXL; "nixl": NIXL only
+    # The MoE exchange: "window" through same-node peer windows (ep_window) as device work;
+    # "nixl" host-driven over NIXL; "auto" windows on CUDA where no two ranks share a GPU (ranks
+    # time-sliced on one GPU without MPS make a device-side wait spin through whole time slices).
+    ep_transport: str = "auto"
 
 
 # The share of the memory free at start a default-sized KV cache may take. Ranks can share a GPU,
@@ -120,7 +123,8 @@ def ep_communicator(cfg: RankConfig, device: torch.device, mc, dtype: torch.dtyp
     """NIXL for the host-side collectives; on CUDA (unless `ep_transport` is "nixl") the MoE
     exchange through same-node peer windows as well."""
     host = nixl_comm(cfg.rank, cfg.max_ranks, capacity_bytes, cfg.ep_timeout_s)
-    if device.type != "cuda" or cfg.ep_transport == "nixl":
+    shared_gpus = cfg.max_ranks > torch.cuda.device_count() if device.type == "cuda" else True
+    if device.type != "cuda" or cfg.ep_transport == "nixl" or (cfg.ep_transport == "auto" and shared_gpus):
         return host
     from components.engine.ep_window import PeerWindows, WindowCommunicator
     from components.engine.same_node import node_id
@@ -423,14 +427,21 @@ class EngineRank:
         for fut in waiters:
             fut.set_result(self.steps)
 
-    def _settle(self, synced: bool = False) -> None:
-        """After the step's device work (`synced`: the caller already waited for it): a device
-        exchange that gave up (EPError) or a pair routed outside the active set raises here,
-        before anything of the step is used."""
+    def _settle(self) -> None:
+        """Wait for the step's device work, then raise if a device exchange gave up (EPError) or
+        a pair was routed outside the active set, before anything of the step is used. The wait
+        polls an event rather than blocking in a CUDA call that holds the GIL: a wait kernel may
+        spin for a slow peer for seconds, and the worker's status and Pause(gone) handlers must
+        answer meanwhile."""
         ep = self.model.ep
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            spins = 0
+            while not done.query():
+                spins += 1
+                time.sleep(0 if spins < 1000 else 0.0002)
         if ep.windows is not None:
-            if not synced:
-                torch.cuda.current_stream(self.device).synchronize()
             ep.windows.check()
             ep.check_routes()
         self._expert_rows = int(ep.rows_computed)
@@ -453,24 +464,26 @@ class EngineRank:
             self._settle()
             return
         batch = self.sched.batch(work, self.device)
+        params = self._sample_params(work)  # copied in before the forward is queued: no wait
         if self.graphs is not None and self.graphs.fits(batch):
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.kv)
-        ids = self._sample(logits, work)
-        self._settle(synced=True)  # a step whose exchange gave up is discarded here
+        ids = torch.argmax(logits, dim=-1) if params is None else sample(logits, *params)
+        self._settle()  # a step whose exchange gave up is discarded here
         done = [seq.num_computed + n >= seq.sample_from for seq, n in work]
-        self.sched.update(work, [t if d else None for t, d in zip(ids, done)])
+        self.sched.update(work, [t if d else None for t, d in zip(ids.tolist(), done)])
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, work: list[tuple[Sequence, int]]) -> list[int]:
-        """Every row's next token in one batched draw on the device; reading the ids is the
-        step's only host sync. Rows of a prefill chunk that is not the last are drawn and ignored."""
-        dev, reqs = logits.device, [seq.req for seq, _ in work]
-        floats = torch.tensor([[r.temperature for r in reqs], [r.top_p for r in reqs]], dtype=torch.float32, device=dev)
+    def _sample_params(self, work: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ...] | None:
+        """The batch's sampling parameters on the device, for one batched draw after the forward
+        (rows of a prefill chunk that is not the last are drawn and ignored); None: all greedy."""
+        reqs = [seq.req for seq, _ in work]
+        if all(r.temperature <= 0 for r in reqs):
+            return None
+        floats = torch.tensor([[r.temperature for r in reqs], [r.top_p for r in reqs]], dtype=torch.float32)
         ints = torch.tensor(
             [[r.top_k for r in reqs], [seq.seed for seq, _ in work], [seq.num_computed + n for seq, n in work]],
             dtype=torch.int64,
-            device=dev,
         )
-        return sample(logits, floats[0], floats[1], ints[0], ints[1], ints[2]).tolist()
+        floats, ints = floats.to(self.device), ints.to(self.device)
+        return floats[0], floats[1], ints[0], ints[1], ints[2]

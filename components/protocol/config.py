@@ -10,7 +10,7 @@ import msgspec
 ROUTER_MODES = ("round-robin", "random")
 
 
-EP_TRANSPORTS = ("auto", "nixl")
+EP_TRANSPORTS = ("auto", "window", "nixl")
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -31,9 +31,11 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # checkpoint then holds no weights) and mapped again at the same addresses on restore.
     # Same-node peers map the arena to pull from it (VMM file descriptors, not CUDA IPC).
     vmm: bool = False
-    # How the MoE exchange travels. "auto": on CUDA, through same-node peers' memory as device
-    # work inside the decode graph (every rank on one node); elsewhere, and with "nixl", the
-    # host-driven NIXL all-to-all (CPU, or ranks on several nodes).
+    # How the MoE exchange travels. "window": through same-node peers' memory as device work
+    # inside the decode graph (CUDA, every rank on one node); "nixl": the host-driven NIXL
+    # all-to-all (CPU, ranks on several nodes); "auto": "window" on CUDA when no two of
+    # max_ranks ranks share a GPU (ranks time-sliced on one GPU without MPS wait through whole
+    # time slices), else "nixl".
     ep_transport: str = "auto"
 
     def __post_init__(self) -> None:
