@@ -16,7 +16,7 @@ What CRIU accepts, and why this module does what it does (measured with trixie's
   PID 1 of a new namespace and stays the copy's parent, so the copy keeps its original PID inside
   while any number of copies of one image run at once. Killing that criu kills the whole namespace
   (and --kill-child kills it when unshare dies; unshare dies with the process that restored).
-  criu reaps the copy and exits with its status.
+  The copy's exit status is not reported: criu reaps it, and exits with 0 whatever it was.
 - Open files are reopened by path at restore, and CRIU refuses a regular file whose size changed
   since the dump ("has bad size"): a log the original (or a first copy) kept writing to cannot be
   reopened. A pipe to a parent that is not dumped is dumped too, but restored as a pipe nobody reads
@@ -219,7 +219,8 @@ class Restored:
 
     @property
     def returncode(self) -> int | None:
-        """The copy's exit status once it ended (criu, its parent, exits with it), else None."""
+        """None while the copy runs; once it ended, criu's exit status (0 whatever the copy's was:
+        criu reaped it; -9 when criu was killed)."""
         return self._unshare.poll()
 
     def wait(self, timeout: float | None = None) -> None:

@@ -59,7 +59,8 @@ class Child:
 
 class RestoredProcess:
     """A process restored from a CRIU image (snapshot.criu_image.Restored) as Child sees a
-    process: its pid from here, its exit status, wait(), and the pipe its output comes through."""
+    process: its pid from here, an exit status (criu's: 0 however the copy ended), wait(), and
+    the pipe its output comes through."""
 
     def __init__(self, restored, stdout: asyncio.StreamReader) -> None:
         self.restored, self.stdout = restored, stdout
