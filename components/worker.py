@@ -729,6 +729,12 @@ def baked(spec_path: str) -> None:
     from snapshot.bake import BakeSpec, warm_for_image
 
     die_with_parent()  # the baker: a bake that failed leaves nothing behind
+    # Imported before the dump, so that no copy pays for them (1-2 s here); importing them starts
+    # no thread and opens nothing.
+    import dynamo.llm  # noqa: F401
+
+    import components.graph.runtime  # noqa: F401
+
     spec = msgspec.json.decode(Path(spec_path).read_bytes(), type=BakeSpec)
     server = RankServer(0, WorkerConfig(), None, join=True)
     server.engine = warm_for_image(spec)

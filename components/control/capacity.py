@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Protocol
@@ -189,8 +190,16 @@ class LocalProvider:
                 return found[0], ""
             return None, "; ".join(refused.values()) or f"no criu-tier snapshot under {root}"
 
+        t0 = time.perf_counter()
         snap, why = await asyncio.to_thread(pick)
-        if snap is None:
+        if snap is not None:
+            log.info(
+                "[op %s] restoring joiners from snapshot %s (fits, checksums verified in %.2f s)",
+                op,
+                snap.path,
+                time.perf_counter() - t0,
+            )
+        else:
             log.info("[op %s] no snapshot to restore joiners from (%s): cold start", op, why)
         return snap, why
 
@@ -231,9 +240,11 @@ class LocalProvider:
             os.write(stdin_w, data)  # all of it, into the pipe: the copy reads it once it runs
             os.close(stdin_w)
             stdin_w = -1
+            t0 = time.perf_counter()
             restored = await asyncio.to_thread(
                 restore, image, output=out_w, stdin=stdin_r, manifest=verify_image(image, checksums=False)
             )
+            log.info("Worker.%d: criu restore took %.3f s", rank, time.perf_counter() - t0)
         except BaseException:
             os.close(out_r)
             raise
