@@ -74,7 +74,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     result = {
         "command": " ".join([sys.executable, "-m", "bench.join", *sys.argv[1:]]),
-        "serve_options": opts[:2] + opts[3:],
+        "serve_options": opts[:3] + opts[4:],  # not the temporary store
         "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
         "bake": baked,
         "joins": rows,
