@@ -1,5 +1,6 @@
-"""Bake the artifacts tier of a snapshot: initialise a rank without weights, warm it up masked,
-record what it was built for, and write it atomically.
+"""Bake a snapshot: initialise a rank without weights, warm it up masked, record what it was
+built for, and write it atomically. The criu tier does this in a worker process that it then
+dumps with CRIU (joiners are restored from that image); the artifacts tier in this process.
 
 Weights are never part of a snapshot: the engine is built with ``load_weights=False`` (dense
 weights stay uninitialised, expert slots empty) and a joiner pulls them from its peers after
