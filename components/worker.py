@@ -238,6 +238,7 @@ class RankServer:
         self.rank, self.cfg, self.ctx, self.join = rank, cfg, ctx, join
         self.started_from = "cold"  # "snapshot" once restored()
         self.nonce = ""  # names its NIXL agents when restored (else its PID does)
+        self.pid = os.getpid()  # as the router sees it: a restored copy is told
         self.life = Lifecycle(rank)
         self.faults = Faults.from_env()
         self.routable = asyncio.Event()
@@ -294,7 +295,7 @@ class RankServer:
         os.environ.setdefault("UCX_TLS", "^cma")
         os.environ.setdefault("UCX_POSIX_USE_PROC_LINK", "n")
         die_with_parent()  # criu, PID 1 of this copy's namespace, which dies with the provider
-        self.rank, self.ctx, self.nonce = who.rank, who.context, who.nonce
+        self.rank, self.ctx, self.nonce, self.pid = who.rank, who.context, who.nonce, who.pid
         self.cfg = component_config(Worker.Config)
         self.model_dir, self.model_name = model_source(self.cfg)
         self.life = Lifecycle(who.rank)
@@ -330,7 +331,7 @@ class RankServer:
         e = self.engine
         return RankStatus(
             rank=self.rank,
-            pid=os.getpid(),
+            pid=self.pid,
             instance_id=self.gen_ep.connection_id(),
             metadata=e.comm.metadata(),
             model_identity=self.identity,
@@ -716,6 +717,7 @@ class RestoreIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     capacity provider hands each copy through CRIU's --inherit-fd."""
 
     rank: int
+    pid: int  # its PID as the capacity provider sees it (inside, it has the baked process's)
     context: GraphContext  # namespace, discovery backend and endpoints, every component's config
     env: dict[str, str]  # the environment a cold joiner would have been given (GRAPH_ENV aside)
     nonce: str  # unique per copy: names its NIXL agents

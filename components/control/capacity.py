@@ -224,34 +224,35 @@ class LocalProvider:
         from snapshot.bake import IMAGE_DIR
         from snapshot.criu_image import restore, verify_image
 
-        who = RestoreIdentity(
-            rank=rank,
-            context=self.ctx,
-            env={k: v for k, v in env.items() if k not in (GRAPH_ENV, COMPONENT_ENV)},
-            nonce=uuid.uuid4().hex[:12],
-            snapshot=snap.manifest.snapshot_id,
-        )
         image = Path(snap.path) / IMAGE_DIR
         stdin_r, stdin_w = os.pipe()
         out_r, out_w = os.pipe()
+        restored = None
         try:
-            data = msgspec.msgpack.encode(who)
-            fcntl.fcntl(stdin_w, fcntl.F_SETPIPE_SZ, max(len(data), 1 << 16))
-            os.write(stdin_w, data)  # all of it, into the pipe: the copy reads it once it runs
-            os.close(stdin_w)
-            stdin_w = -1
             t0 = time.perf_counter()
             restored = await asyncio.to_thread(
                 restore, image, output=out_w, stdin=stdin_r, manifest=verify_image(image, checksums=False)
             )
             log.info("Worker.%d: criu restore took %.3f s", rank, time.perf_counter() - t0)
+            who = RestoreIdentity(
+                rank=rank,
+                pid=restored.pid,
+                context=self.ctx,
+                env={k: v for k, v in env.items() if k not in (GRAPH_ENV, COMPONENT_ENV)},
+                nonce=uuid.uuid4().hex[:12],
+                snapshot=snap.manifest.snapshot_id,
+            )
+            data = msgspec.msgpack.encode(who)
+            fcntl.fcntl(stdin_w, fcntl.F_SETPIPE_SZ, max(len(data), 1 << 16))
+            os.write(stdin_w, data)  # all of it fits the pipe; the copy reads to its end
         except BaseException:
             os.close(out_r)
+            if restored is not None:
+                restored.close()
             raise
         finally:
             for fd in (stdin_r, stdin_w, out_w):
-                if fd >= 0:
-                    os.close(fd)
+                os.close(fd)
         return await adopt(spec, restored, out_r)
 
     def alive(self, rank: int) -> bool | None:
