@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -22,13 +23,17 @@ from typing import Any, ClassVar, NamedTuple
 import msgspec
 
 from components.graph.component import (
+    COMPONENT_ENV,
     EXIT_CANNOT_START,
+    GRAPH_ENV,
     Component,
     GraphContext,
     ProcessSpec,
     component_config,
+    encode_context,
     load_context,
 )
+from components.graph.spawn import die_with_parent
 from components.protocol.config import WorkerConfig
 from components.protocol.lifecycle import Lifecycle, RankState
 from components.protocol.messages import (
@@ -232,7 +237,9 @@ def refusal(message: type, state: RankState) -> StateError:
 class RankServer:
     def __init__(self, rank: int, cfg: Worker.Config, ctx: GraphContext, join: bool):
         self.rank, self.cfg, self.ctx, self.join = rank, cfg, ctx, join
-        self.started_from = "cold"
+        self.started_from = "cold"  # "snapshot" once restored()
+        self.nonce = ""  # names its NIXL agents when restored (else its PID does)
+        self.pid = os.getpid()  # as the router sees it: a restored copy is told
         self.life = Lifecycle(rank)
         self.faults = Faults.from_env()
         self.routable = asyncio.Event()
@@ -247,25 +254,57 @@ class RankServer:
     def load(self) -> None:
         from components.engine.rank import EngineRank
 
-        model_dir, self.model_name = model_source(self.cfg)
-        self.model_dir = model_dir
         t0 = time.perf_counter()
-        cfg = rank_config(self.cfg, self.rank)
-        e = self.engine = EngineRank(cfg, model_dir, load_weights=not self.join)
+        self.model_dir, self.model_name = model_source(self.cfg)
+        self.engine = EngineRank(rank_config(self.cfg, self.rank), self.model_dir, load_weights=not self.join)
+        self.go_live(t0)
+
+    def go_live(self, t0: float) -> None:
+        """The engine built: open its weight store, and start its step loop out of any group."""
+        e = self.engine
         e.on_fatal = self.die
         self.identity = e.model_config.identity()
-        if self.join and self.cfg.snapshot_root:
-            self.find_snapshot()
         self.open_store()
         # Not serving anyone until the router puts this rank into a group.
         e.comm.set_active([], 0)
         e.start()
         if self.join:
             log.info(
-                "rank %d: joiner up in %.2f s, waiting for weights from peers", self.rank, time.perf_counter() - t0
+                "rank %d: joiner up (%s) in %.2f s, waiting for weights from peers",
+                self.rank,
+                self.started_from,
+                time.perf_counter() - t0,
             )
         else:
-            self.life.transition(RankState.LOADED, f"cold start from {model_dir} in {time.perf_counter() - t0:.2f} s")
+            self.life.transition(
+                RankState.LOADED, f"cold start from {self.model_dir} in {time.perf_counter() - t0:.2f} s"
+            )
+
+    def restored(self, who: RestoreIdentity) -> None:
+        """This process was restored from a snapshot image (its engine built and warm, no NIXL
+        agent): become the rank `who` names, in its deployment. Every copy of one image has the
+        same PID (in its own namespace), so the agents are named by `who.nonce` instead."""
+        os.environ.clear()
+        os.environ.update(who.env)
+        os.environ[GRAPH_ENV] = encode_context(who.context)
+        os.environ[COMPONENT_ENV] = Worker.name()
+        # UCX cached its PID namespace when it was loaded, before the dump: it would take this
+        # copy's namespace for the one it was baked in, and offer peers transports that name
+        # processes by PID (cross-memory attach, shared memory through /proc/<pid>/fd), which
+        # fail or reach another process across namespaces. Measured: with CMA the first endpoint
+        # to a peer fails (NIXL_ERR_BACKEND); without it, shared memory goes by name.
+        os.environ.setdefault("UCX_TLS", "^cma")
+        os.environ.setdefault("UCX_POSIX_USE_PROC_LINK", "n")
+        die_with_parent()  # criu, PID 1 of this copy's namespace, which dies with the provider
+        self.rank, self.ctx, self.nonce, self.pid = who.rank, who.context, who.nonce, who.pid
+        self.cfg = component_config(Worker.Config)
+        self.model_dir, self.model_name = model_source(self.cfg)
+        self.life = Lifecycle(who.rank)
+        self.faults = Faults.from_env()
+        self.engine.assume_rank(who.rank, f"ep-{who.rank}-{who.nonce}")
+        self.engine.comm.resume()
+        self.started_from = "snapshot"
+        self.life.transition(RankState.RESTORED, f"restored from snapshot {who.snapshot}")
 
     def die(self, error: BaseException) -> None:
         """The step loop broke: exit, so the router sees a dead rank and fails it over, rather
@@ -286,30 +325,14 @@ class RankServer:
             e.weight_tensors(),
             device=e.cfg.device,
             arena=e.arena,
-            name=f"weights-{self.rank}-{os.getpid()}-{self.stores_opened}",
+            name=f"weights-{self.rank}-{self.nonce or os.getpid()}-{self.stores_opened}",
         )
-
-    def find_snapshot(self) -> None:
-        """A joiner looks for a baked snapshot that fits this deployment and is intact (here, where
-        the engine is, so the router never imports it); each refusal is logged with its reason."""
-        from snapshot.bake import target_for_engine
-        from snapshot.store import find_compatible
-
-        found, refused = find_compatible(target_for_engine(self.engine), self.cfg.snapshot_root)
-        for why in refused.values():
-            log.warning("rank %d: %s", self.rank, why)
-        if not found:
-            log.info("rank %d: no snapshot fits; cold start", self.rank)
-            return
-        m = found[0].manifest
-        self.started_from = "snapshot"
-        self.life.transition(RankState.RESTORED, f"from {m.tier} snapshot {m.snapshot_id}")
 
     def status(self) -> RankStatus:
         e = self.engine
         return RankStatus(
             rank=self.rank,
-            pid=os.getpid(),
+            pid=self.pid,
             instance_id=self.gen_ep.connection_id(),
             metadata=e.comm.metadata(),
             model_identity=self.identity,
@@ -639,16 +662,20 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def serve(rank: int, join: bool) -> None:
+async def serve(rank: int, join: bool, server: RankServer | None = None) -> None:
+    """Run rank `rank`: built here, or `server`, restored from a snapshot image (engine built)."""
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
 
     from components.graph.runtime import make_runtime
 
     ctx, _ = load_context()
-    cfg = component_config(Worker.Config)
-    server = RankServer(rank, cfg, ctx, join)
+    if server is None:
+        server = RankServer(rank, component_config(Worker.Config), ctx, join)
+        start = server.load
+    else:
+        start = functools.partial(server.go_live, time.perf_counter())
     try:
-        await asyncio.to_thread(server.load)
+        await asyncio.to_thread(start)
     except ValueError as e:  # the model or the configuration: the same on every rank, every retry
         log.error("rank %d cannot start: %s", rank, e)
         sys.exit(EXIT_CANNOT_START)
@@ -686,9 +713,46 @@ async def serve(rank: int, join: bool) -> None:
         log.info("rank %d: stopped", rank)
 
 
+class RestoreIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Who a process restored from a snapshot image becomes: read from its stdin, a pipe the
+    capacity provider hands each copy through CRIU's --inherit-fd."""
+
+    rank: int
+    pid: int  # its PID as the capacity provider sees it (inside, it has the baked process's)
+    context: GraphContext  # namespace, discovery backend and endpoints, every component's config
+    env: dict[str, str]  # the environment a cold joiner would have been given (GRAPH_ENV aside)
+    nonce: str  # unique per copy: names its NIXL agents
+    snapshot: str  # the snapshot id, for its log
+
+
+def baked(spec_path: str) -> None:
+    """The process `snapshot-bake bake --tier criu` dumps: a rank-0 joiner built and warmed alone,
+    part of no group, with no NIXL agent and no sockets. It blocks reading stdin, where it is
+    dumped; each copy restored from the image reads its RestoreIdentity there and serves."""
+    from snapshot.bake import BakeSpec, warm_for_image
+
+    die_with_parent()  # the baker: a bake that failed leaves nothing behind
+    # Imported before the dump, so that no copy pays for them (1-2 s here); importing them starts
+    # no thread and opens nothing.
+    import dynamo.llm  # noqa: F401
+
+    import components.graph.runtime  # noqa: F401
+
+    spec = msgspec.json.decode(Path(spec_path).read_bytes(), type=BakeSpec)
+    server = RankServer(0, WorkerConfig(), None, join=True)
+    server.engine = warm_for_image(spec)
+    log.info("warm; waiting to be dumped")
+    who = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=RestoreIdentity)
+    server.restored(who)
+    log.info("rank %d: restored from snapshot %s", who.rank, who.snapshot)
+    asyncio.run(serve(who.rank, True, server))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="One DP/EP worker rank (started by `dynamo serve`).")
-    p.add_argument("--rank", type=int, required=True)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--rank", type=int)
+    g.add_argument("--bake", metavar="SPEC", help="be the process a criu-tier snapshot is dumped from")
     p.add_argument(
         "--join",
         action="store_true",
@@ -696,7 +760,10 @@ def main() -> None:
     )
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args.rank, args.join))
+    if args.bake:
+        baked(args.bake)
+    else:
+        asyncio.run(serve(args.rank, args.join))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Bake the artifacts tier of a snapshot: initialise a rank without weights, warm it up masked,
-record what it was built for, and write it atomically.
+"""Bake a snapshot: initialise a rank without weights, warm it up masked, record what it was
+built for, and write it atomically. The criu tier does this in a worker process that it then
+dumps with CRIU (joiners are restored from that image); the artifacts tier in this process.
 
 Weights are never part of a snapshot: the engine is built with ``load_weights=False`` (dense
 weights stay uninitialised, expert slots empty) and a joiner pulls them from its peers after
@@ -9,10 +10,13 @@ decode batch size, which on CUDA replays the decode graphs captured at construct
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +25,7 @@ from typing import Any
 import msgspec
 
 from snapshot.manifest import (
+    SnapshotError,
     SnapshotManifest,
     SnapshotTarget,
     check_creatable,
@@ -154,6 +159,128 @@ def new_snapshot_id(model_name: str, identity: str) -> str:
     return f"{slug}-{identity[:8]}-{uuid.uuid4().hex[:8]}"
 
 
+class BakeSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What the process baked into a CRIU image builds (`python -m components.worker --bake SPEC`)."""
+
+    config: dict[str, Any]  # a RankConfig (rank 0; the restored copy is told its own)
+    model_dir: str
+    ready: str  # where it writes its BakeReady once warm, then waits to be dumped
+
+
+class BakeReady(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    target: SnapshotTarget
+    architecture: str
+    steps_s: dict[str, float]
+    warmup_runs_s: list[float]
+    warm: dict[str, Any]
+
+
+def warm(cfg, model_dir: str, on_step=lambda desc: None):
+    """Build an EngineRank without weights and warm it up masked, twice (cold, then warm).
+    Returns (engine, BakeReady); `on_step(description)` after each of the two steps."""
+    from components.engine.rank import EngineRank
+
+    steps: dict[str, float] = {}
+    t0 = time.perf_counter()
+    eng = EngineRank(cfg, model_dir, load_weights=False)
+    steps["load_skeleton"] = time.perf_counter() - t0
+    on_step("warmup (masked)")
+    placement = eng.default_placement([cfg.rank])
+    runs = [eng.warmup(placement), eng.warmup(placement)]
+    steps["warmup"], steps["warmup_again"] = runs
+    target = target_for_engine(eng)
+    ready = BakeReady(
+        target=target,
+        architecture=eng.model_config.architecture,
+        steps_s={k: round(v, 6) for k, v in steps.items()},
+        warmup_runs_s=[round(r, 6) for r in runs],
+        warm={
+            "cuda_graph_sizes": target.cuda_graph_sizes,
+            "cuda_graph_captures": eng.graphs.captures if eng.graphs else 0,
+            "device": str(eng.device),
+            "torch": str(__import__("torch").__version__),
+            "python": sys.version.split()[0],
+        },
+    )
+    on_step("write")
+    return eng, ready
+
+
+MADV_DONTNEED = 4
+
+
+def drop_pages(tensors) -> int:
+    """Give back the physical pages of CPU tensors whose contents do not matter to a restored
+    copy: weights (it pulls them) and the KV cache (zeros, and read only where written). Linux
+    refills a dropped anonymous page with zeros when it is next touched, and CRIU dumps only
+    pages present, so the image holds neither. Only pages wholly inside a tensor are dropped.
+    Returns the bytes dropped."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for t in tensors:
+        start = -(-t.data_ptr() // page) * page
+        end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+        if end > start:
+            if libc.madvise(start, end - start, MADV_DONTNEED) != 0:
+                raise OSError(ctypes.get_errno(), f"madvise: {os.strerror(ctypes.get_errno())}")
+            total += end - start
+    return total
+
+
+def warm_for_image(spec: BakeSpec):
+    """In the process to be dumped: warm up, drop the pages of weights and KV cache, drop the
+    NIXL agent (UCX's state is not CRIU's to dump, and its name is no copy's to keep), then say so
+    through `spec.ready`. Returns the engine."""
+    from components.engine.rank import RankConfig
+
+    eng, ready = warm(msgspec.convert(spec.config, RankConfig), spec.model_dir)
+    dropped = drop_pages([*eng.weight_tensors().values(), *eng.kv.k, *eng.kv.v])
+    ready.warm["pages_dropped_bytes"] = dropped
+    eng.comm.suspend()
+    tmp = Path(spec.ready + ".tmp")
+    tmp.write_bytes(msgspec.json.encode(ready))
+    tmp.rename(spec.ready)
+    return eng
+
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGE_DIR = "criu"  # the CRIU image inside a criu-tier snapshot
+BAKE_LOG = "bake.log"
+READY_TIMEOUT_S = 900
+
+
+def _start_baked(cfg, src: str, work: Path):
+    """Start the process to be dumped; returns (Popen, write end of its stdin pipe, BakeReady
+    once it is warm). The pipe stays open until the dump: each restored copy is given its own."""
+    from snapshot.criu_image import spawn
+
+    ready = work / "ready.json"
+    spec = work / "spec.json"
+    spec.write_bytes(msgspec.json.encode(BakeSpec(config=msgspec.to_builtins(cfg), model_dir=src, ready=str(ready))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    r, w = os.pipe()
+    try:
+        proc = spawn(
+            [sys.executable, "-m", "components.worker", "--bake", str(spec)], work / BAKE_LOG, env, REPO, stdin=r
+        )
+    finally:
+        os.close(r)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = (work / BAKE_LOG).read_text(errors="replace").strip().splitlines()[-5:]
+            why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not warm in {READY_TIMEOUT_S} s"
+            os.close(w)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            raise SnapshotError(f"the worker to bake {why}: " + " | ".join(tail))
+        time.sleep(0.05)
+    return proc, w, msgspec.json.decode(ready.read_bytes(), type=BakeReady)
+
+
 def bake(
     out: str | os.PathLike | None = None,
     model_dir: str | os.PathLike | None = None,
@@ -171,14 +298,27 @@ def bake(
     force: bool = False,
     progress: bool = True,
     root: str | os.PathLike | None = None,
+    tier: str = "artifacts",
 ) -> tuple[Path, SnapshotManifest]:
-    """Bake the artifacts tier into `out` (default: <root>/<snapshot id>, root as default_root()).
+    """Bake a snapshot into `out` (default: <root>/<snapshot id>, root as default_root()).
     Returns (snapshot directory, manifest). Raises CheckpointError (bad model dir), ValueError
-    (bad config), SnapshotExists (`out` exists and not `force`)."""
+    (bad config), SnapshotExists (`out` exists and not `force`), SnapshotError (the criu tier
+    cannot be baked here, and why).
+
+    tier "artifacts": the engine is built and warmed in this process, and its configuration and
+    warmup record written. tier "criu": a worker process (part of no group: no discovery, no NIXL
+    agent, no sockets; stdin a pipe, output to bake.log) builds and warms the engine, then is
+    dumped by CRIU into <snapshot>/criu; the weights are allocated but never written, so the
+    image holds none (their untouched pages are not dumped). A joiner restored from it is told its
+    rank and deployment through that stdin pipe (components.worker.RestoreIdentity)."""
     from tqdm import tqdm
 
+    if tier not in ("artifacts", "criu"):
+        raise ValueError(f"tier must be artifacts or criu, not {tier!r}")
     if device == "cuda":
         device = "cuda:0"
+    if tier == "criu" and device.startswith("cuda"):
+        raise ValueError("the criu tier is baked on CPU only for now (a CUDA worker needs its CUDA checkpoint)")
     if not 1 <= min_ranks <= max_ranks:
         raise ValueError(f"min_ranks ({min_ranks}) must be in 1..max_ranks ({max_ranks})")
     if cuda_graph_sizes and not device.startswith("cuda"):
@@ -192,6 +332,15 @@ def bake(
         check_creatable(root or default_root())
     src, name = model_source(model_dir, model_name)
     _check_redundant(src, min_ranks, redundant_experts)
+    criu_version = ""
+    if tier == "criu":
+        from snapshot.criu import criu_status, find_criu
+        from snapshot.criu import criu_version as read_version
+
+        ok, why = criu_status()
+        if not ok:
+            raise SnapshotError(f"the criu tier cannot be baked here: {why}")
+        criu_version = read_version(find_criu())[1]
     extra = {} if cuda_graph_sizes is None else {"cuda_graph_sizes": tuple(cuda_graph_sizes)}
     cfg = rank_config(
         device=device,
@@ -205,63 +354,78 @@ def bake(
         **extra,
     )
 
-    from components.engine.rank import EngineRank
-
-    steps: dict[str, float] = {}
     bar = tqdm(
         total=3,
-        desc="load model skeleton",
+        desc="load + warmup (worker)" if tier == "criu" else "load model skeleton",
         unit="step",
         file=sys.stderr,
         disable=not progress,
         bar_format="{desc:<22} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
     )
+
+    def step(desc: str) -> None:
+        bar.update(1)
+        bar.set_description_str(desc)
+
+    t0 = time.perf_counter()
+    eng = proc = None
+    work: Path | None = None
+    stdin_w = -1
     try:
-        t0 = time.perf_counter()
-        eng = EngineRank(cfg, src, load_weights=False)
-        steps["load_skeleton"] = time.perf_counter() - t0
-        try:
-            bar.update(1)
-            bar.set_description_str("warmup (masked)")
-            placement = eng.default_placement([cfg.rank])
-            runs = [eng.warmup(placement), eng.warmup(placement)]  # cold, then warm
-            steps["warmup"] = runs[0]
-            steps["warmup_again"] = runs[1]
-            bar.update(1)
-            bar.set_description_str("write")
-            mc = eng.model_config
-            target = target_for_engine(eng)
-            sid = new_snapshot_id(name, target.model_identity)
-            dest = Path(out) if out is not None else Path(root or default_root()) / sid
-            manifest = SnapshotManifest(
-                snapshot_id=sid,
-                created=now_iso(),
-                tier="artifacts",
-                model_name=name,
-                architecture=mc.architecture,
-                warmup_seconds=round(runs[0], 6),
-                weights_included=False,
-                **msgspec.structs.asdict(target),
-            )
-            warm = {
-                "steps_s": {k: round(v, 6) for k, v in steps.items()},
-                "warmup_runs_s": [round(r, 6) for r in runs],
-                "cuda_graph_sizes": target.cuda_graph_sizes,
-                "cuda_graph_captures": eng.graphs.captures if eng.graphs else 0,
-                "device": str(eng.device),
-                "torch": __import__("torch").__version__,
-                "python": sys.version.split()[0],
-            }
-            files = {
-                ENGINE_FILE: msgspec.json.format(msgspec.json.encode(cfg), indent=2) + b"\n",
-                WARMUP_FILE: (json.dumps(warm, indent=2) + "\n").encode(),
-                MODEL_CONFIG_FILE: (Path(src) / "config.json").read_bytes(),
-            }
-            manifest = write_snapshot(dest, manifest, files, force=force)
-            bar.update(1)
-            bar.set_description_str("done")
-        finally:
-            eng.stop()  # stops the loop if started, closes the communicator
+        if tier == "criu":
+            parent = Path(out).absolute().parent if out is not None else Path(root or default_root()).absolute()
+            parent.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix=".bake-", dir=parent))  # beside it: the image is moved, not copied
+            proc, stdin_w, ready = _start_baked(cfg, src, work)
+        else:
+            eng, ready = warm(cfg, src, step)
+        target = ready.target
+        sid = new_snapshot_id(name, target.model_identity)
+        dest = Path(out) if out is not None else Path(root or default_root()) / sid
+        files = {
+            ENGINE_FILE: msgspec.json.format(msgspec.json.encode(cfg), indent=2) + b"\n",
+            WARMUP_FILE: (
+                json.dumps({"steps_s": ready.steps_s, "warmup_runs_s": ready.warmup_runs_s, **ready.warm}, indent=2)
+                + "\n"
+            ).encode(),
+            MODEL_CONFIG_FILE: (Path(src) / "config.json").read_bytes(),
+        }
+        trees = {}
+        image_bytes = 0
+        if tier == "criu":
+            from snapshot.criu_image import dump
+
+            step("criu dump")
+            image = dump(proc, work / IMAGE_DIR)
+            image_bytes = image.image_bytes
+            files[BAKE_LOG] = (work / BAKE_LOG).read_bytes()
+            trees[IMAGE_DIR] = work / IMAGE_DIR
+            step("checksums + write")
+        manifest = SnapshotManifest(
+            snapshot_id=sid,
+            created=now_iso(),
+            tier=tier,
+            model_name=name,
+            architecture=ready.architecture,
+            warmup_seconds=ready.warmup_runs_s[0],
+            weights_included=False,
+            criu_version=criu_version,
+            image_bytes=image_bytes,
+            bake_seconds=round(time.perf_counter() - t0, 3),
+            **msgspec.structs.asdict(target),
+        )
+        manifest = write_snapshot(dest, manifest, files, force=force, trees=trees)
+        bar.update(1)
+        bar.set_description_str("done")
     finally:
         bar.close()
+        if eng is not None:
+            eng.stop()  # stops the loop if started, closes the communicator
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if stdin_w >= 0:
+            os.close(stdin_w)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
     return dest.absolute(), manifest

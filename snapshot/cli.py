@@ -111,6 +111,7 @@ def cmd_bake(a) -> int:
             force=a.force,
             progress=not a.quiet,
             root=a.root,
+            tier=a.tier,
         )
     except (CheckpointError, SnapshotError, ValueError) as e:
         raise UsageError(str(e)) from None
@@ -128,6 +129,8 @@ def cmd_bake(a) -> int:
         f"device {m.device_type}, warmup {m.warmup_seconds:.3f} s, {len(m.files) + 1} files, "
         f"{_human(snapshot_size(path))}"
     )
+    if m.tier == "criu":
+        print(f"  CRIU {m.criu_version} image {_human(m.image_bytes)}, baked in {m.bake_seconds:.1f} s")
     return 0
 
 
@@ -268,12 +271,16 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bake",
-        help="bake a snapshot (artifacts tier) of a worker rank",
-        description="Build one worker rank without its weights, run its masked warmup (on CUDA: "
-        "capture and replay the decode graphs), and write the artifacts tier: manifest.json, "
-        "engine.json (the RankConfig), warmup.json (timings, graph sizes) and the model's "
-        "config.json. Weights are never stored; a joiner pulls them from its peers. The options "
-        "must match the deployment (Worker config) that will restore it; defaults are the Worker's.",
+        help="bake a snapshot of a worker rank (a CRIU image of it, warm)",
+        description="Build one worker rank without its weights and run its masked warmup (on CUDA: "
+        "capture and replay the decode graphs). The criu tier (default; CPU, as root, CRIU from "
+        "`make install`) does it in a worker process that belongs to no deployment and dumps that "
+        "process with CRIU into DIR/criu: joiners of a deployment whose Worker.snapshot_root holds it "
+        "are restored from it instead of starting cold. Both tiers write manifest.json (identity, "
+        "parallel config, device, checksums), engine.json (the RankConfig), warmup.json (timings, "
+        "graph sizes) and the model's config.json. Weights are never stored; a joiner pulls them "
+        "from its peers. The options must match the deployment (Worker config) that will restore "
+        "it; defaults are the Worker's.",
     )
     b.add_argument("--out", metavar="DIR", help="snapshot directory to create (default: <root>/<snapshot id>)")
     b.add_argument("--root", metavar="DIR", help=root_help + "; used when --out is not given")
@@ -325,6 +332,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="B,B,...",
         help="decode batch sizes captured on CUDA (default: the engine's)",
+    )
+    b.add_argument(
+        "--tier",
+        choices=["criu", "artifacts"],
+        default="criu",
+        help="criu: a CRIU image of the warm worker process, which joiners are restored from; "
+        "artifacts: its configuration and warmup record only (default: %(default)s)",
     )
     b.add_argument("--force", action="store_true", help="replace an existing snapshot at --out")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress bars")

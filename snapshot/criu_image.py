@@ -15,8 +15,8 @@ What CRIU accepts, and why this module does what it does (measured with trixie's
 - Each copy is `unshare --pid --kill-child --mount-proc criu restore`, without `-d`: criu becomes
   PID 1 of a new namespace and stays the copy's parent, so the copy keeps its original PID inside
   while any number of copies of one image run at once. Killing that criu kills the whole namespace
-  (and --kill-child kills it when unshare dies).
-  The copy's exit status is not reported: criu reaps it.
+  (and --kill-child kills it when unshare dies; unshare dies with the process that restored).
+  The copy's exit status is not reported: criu reaps it, and exits with 0 whatever it was.
 - Open files are reopened by path at restore, and CRIU refuses a regular file whose size changed
   since the dump ("has bad size"): a log the original (or a first copy) kept writing to cannot be
   reopened. A pipe to a parent that is not dumped is dumped too, but restored as a pipe nobody reads
@@ -24,7 +24,9 @@ What CRIU accepts, and why this module does what it does (measured with trixie's
   descriptor given to restore(output=...) takes the place of whatever the process's stdout and
   stderr were open on at the dump (a log file or a pipe alike), so each copy writes to its own.
   Its file position is the given descriptor's, not the dumped one's. That needs stdout/stderr on
-  something other than stdin's file (all three on /dev/null cannot be told apart).
+  something other than stdin's file (all three on /dev/null cannot be told apart). restore(stdin=...)
+  does the same for stdin: a process dumped while reading a pipe gets each copy's own pipe, the
+  channel through which a copy learns who it is.
 - Listening unix sockets bound to a path, and abstract ones, are restored bound again: two copies
   of one image collide on them. A process meant to be copied opens its sockets after the restore
   (e.g. on a signal) and closes them before the dump. Held file locks need `--file-locks`, and
@@ -43,6 +45,7 @@ whose files do not match it, naming the file.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import select
@@ -56,6 +59,7 @@ from typing import Annotated
 
 import msgspec
 
+from components.graph.spawn import die_with_parent
 from snapshot.criu import criu_version, find_criu
 from snapshot.manifest import SnapshotCorrupt, SnapshotError, _open_member, check_files, open_dir
 
@@ -107,12 +111,21 @@ def _first_error(log: Path) -> str:
     return errors[0] if errors else (lines[-1].strip() if lines else "(empty log)")
 
 
-def spawn(argv: list[str], log: str | os.PathLike, env: dict | None = None, cwd=None) -> subprocess.Popen:
+def spawn(
+    argv: list[str], log: str | os.PathLike, env: dict | None = None, cwd=None, stdin: int | None = None
+) -> subprocess.Popen:
     """Start a process that dump() can checkpoint and restore(output=...) can give a new output:
-    its own session, stdin on /dev/null, stdout and stderr appended to the file `log`."""
+    its own session, stdout and stderr appended to the file `log`, stdin on /dev/null or the
+    descriptor `stdin` (the read end of a pipe: restore(stdin=...) hands each copy its own)."""
     with open(log, "ab") as out:
         return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, env=env, cwd=cwd
+            argv,
+            stdin=subprocess.DEVNULL if stdin is None else stdin,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            env=env,
+            cwd=cwd,
         )
 
 
@@ -161,9 +174,10 @@ def dump(
     return m
 
 
-def verify_image(dir: str | os.PathLike) -> ImageManifest:
+def verify_image(dir: str | os.PathLike, checksums: bool = True) -> ImageManifest:
     """The image's manifest, once every file matches its checksum and no file was added;
-    SnapshotCorrupt names the first file that does not."""
+    SnapshotCorrupt names the first file that does not. Without `checksums`, the manifest only
+    (for a caller that verified the files already)."""
     d = Path(dir)
     label = f"CRIU image {d}"
     dfd = open_dir(d, "CRIU image")
@@ -183,7 +197,8 @@ def verify_image(dir: str | os.PathLike) -> ImageManifest:
         bad = [n for n in m.files if "/" in n or n in ("", ".", "..")]
         if bad:
             raise SnapshotCorrupt(f"{label}: {IMAGE_MANIFEST}: invalid (lists {bad[0]!r}, not a file of the image)")
-        check_files(dfd, label, m.files, IMAGE_MANIFEST, unlisted={DUMP_LOG})
+        if checksums:
+            check_files(dfd, label, m.files, IMAGE_MANIFEST, unlisted={DUMP_LOG})
     finally:
         os.close(dfd)
     return m
@@ -201,6 +216,12 @@ class Restored:
 
     def running(self) -> bool:
         return self._unshare.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """None while the copy runs; once it ended, criu's exit status (0 whatever the copy's was:
+        criu reaped it; -9 when criu was killed)."""
+        return self._unshare.poll()
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the copy has ended (subprocess.TimeoutExpired after `timeout` seconds)."""
@@ -250,18 +271,30 @@ def _ns_pid(pid: int) -> int | None:
     return None
 
 
-def restore(dir: str | os.PathLike, output=None, criu: str | None = None, timeout: float = 60.0) -> Restored:
+def restore(
+    dir: str | os.PathLike,
+    output=None,
+    stdin=None,
+    criu: str | None = None,
+    timeout: float = 60.0,
+    manifest: ImageManifest | None = None,
+) -> Restored:
     """Verify the image's checksums, then restore a copy into a new PID namespace and return once
     it runs. `output`, a file object or descriptor, replaces what the process's stdout and stderr
-    were open on at the dump. CriuError (with criu's first error) when the restore fails;
-    SnapshotCorrupt when the image does not match its manifest."""
+    were open on at the dump; `stdin` what its stdin was. `manifest`: the image's, its checksums
+    verified already by the caller (verify_image). The copy dies with the process calling this.
+    CriuError (with criu's first error) when the restore fails; SnapshotCorrupt when the image
+    does not match its manifest."""
     criu = criu or find_criu()
     if not criu:
         raise CriuError("criu not found (`make install` unpacks it into .venv)")
     d = Path(dir).absolute()
-    m = verify_image(d)
+    m = manifest or verify_image(d)
     inherit: list[str] = []
     fds: list[int] = []
+    if stdin is not None:
+        fds.append(os.dup(stdin if isinstance(stdin, int) else stdin.fileno()))
+        inherit += ["--inherit-fd", f"fd[{fds[-1]}]:{m.stdio[0]}"]
     if output is not None:
         fd = output if isinstance(output, int) else output.fileno()
         for res in dict.fromkeys(m.stdio[1:]):
@@ -280,8 +313,14 @@ def restore(dir: str | os.PathLike, output=None, criu: str | None = None, timeou
     cmd += ["-o", RESTORE_LOG, "--action-script", str(script), *inherit]
     try:
         with open(workdir / "unshare.err", "wb") as err:
+            # unshare dies with us, criu with unshare (--kill-child), and the namespace with criu.
             unshare = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, pass_fds=fds
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                pass_fds=fds,
+                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
             )
     finally:
         for fd in fds:

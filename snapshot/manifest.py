@@ -76,6 +76,11 @@ class SnapshotManifest(SnapshotTarget, kw_only=True, forbid_unknown_fields=True)
     # relative path -> sha256 of every other file in the snapshot dir
     files: dict[str, Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]] = {}
     weights_included: bool = False
+    # The criu tier: the CRIU that dumped <snapshot>/criu, the image's size, and the bake's
+    # seconds up to the dump.
+    criu_version: str = ""
+    image_bytes: int = 0
+    bake_seconds: float = 0.0
 
 
 COMPARED_FIELDS: tuple[str, ...] = SnapshotTarget.__struct_fields__
@@ -330,22 +335,34 @@ def check_destination(dir: str | os.PathLike, force: bool = False) -> bool:
 
 
 def write_snapshot(
-    dir: str | os.PathLike, manifest: SnapshotManifest, files: dict[str, bytes], force: bool = False
+    dir: str | os.PathLike,
+    manifest: SnapshotManifest,
+    files: dict[str, bytes],
+    force: bool = False,
+    trees: dict[str, Path] | None = None,
 ) -> SnapshotManifest:
     """Write `files` and the manifest (its `files` checksums filled in) to `dir`, atomically:
-    everything goes to a temporary directory beside it that is renamed into place. An existing
-    `dir` is refused unless `force`, and even then only when it is empty or a snapshot (so a
-    mistyped path never wipes an unrelated directory). Returns the manifest as written."""
+    everything goes to a temporary directory beside it that is renamed into place. `trees`:
+    directories moved in under the given names (a CRIU image, too large to hold in memory), every
+    file in them listed with its checksum. An existing `dir` is refused unless `force`, and even
+    then only when it is empty or a snapshot (so a mistyped path never wipes an unrelated
+    directory). Returns the manifest as written."""
     d = Path(dir).absolute()
-    for name in files:
+    trees = trees or {}
+    for name in [*files, *trees]:
         _check_name(name)
     replace = check_destination(d, force)
     d.parent.mkdir(parents=True, exist_ok=True)
-    manifest = msgspec.structs.replace(
-        manifest, files={n: hashlib.sha256(b).hexdigest() for n, b in sorted(files.items())}
-    )
+    sums = {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
     tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.tmp-", dir=d.parent))
     try:
+        for name, src in trees.items():
+            shutil.move(src, tmp / name)
+            for p in sorted((tmp / name).rglob("*")):
+                if p.is_file():
+                    with open(p, "rb") as f:
+                        sums[p.relative_to(tmp).as_posix()] = hashlib.file_digest(f, "sha256").hexdigest()
+        manifest = msgspec.structs.replace(manifest, files=dict(sorted(sums.items())))
         for name, data in files.items():
             p = tmp / name
             p.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import snapshot.criu as criu_mod
+from harness.server import alive
 from snapshot.cli import tier_lines
 from snapshot.criu import criu_status, find_criu
 from snapshot.criu_image import IMAGE_MANIFEST, CriuError, dump, restore, spawn, verify_image
@@ -235,6 +236,33 @@ def test_two_copies_of_one_image(image, work):
     assert not any(c.running() for c in copies)
     assert not any(Path(f"/proc/{c.pid}").exists() for c in copies)
     assert not any(c.workdir.exists() for c in copies)
+
+
+def test_a_copy_dies_with_the_process_that_restored_it(image, work):
+    """unshare dies with the restoring process (PDEATHSIG), criu with unshare (--kill-child), and
+    the copy with criu, the init of its PID namespace: a killed capacity provider leaves no worker."""
+    img, _, _ = image
+    code = (
+        "import sys, time\n"
+        "from snapshot.criu_image import restore\n"
+        "c = restore(sys.argv[1], output=open(sys.argv[2], 'ab'))\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(img), str(work / "orphan.log")], stdout=subprocess.PIPE, env=env, cwd=REPO
+    )
+    try:
+        pid = int(p.stdout.readline())
+        assert alive(pid)
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid)
 
 
 def test_tampered_image_refused(image, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -292,16 +293,19 @@ def test_cli_help():
 def test_cli_round_trip(tmp_path):
     root = tmp_path / "store"
     out = root / "one"
-    r = cli("bake", "--out", out, "--max-ranks", 2, "-q", env_root=root, check=0)
-    assert f"baked {out}" in r.stdout
+    r = cli("bake", "--out", out, "--max-ranks", 2, "-q", env_root=root, check=0)  # the criu tier
+    assert f"baked {out}" in r.stdout and re.search(r"CRIU 4\.1\.1 image [\d.]+ [KMG]i?B, baked in [\d.]+ s", r.stdout)
     r = cli("bake", "--out", out, "-q", env_root=root, check=2)
     assert "already exists" in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
     m = load_manifest(out)
-    r = cli("list", env_root=root, check=0)
-    assert (
-        "ID" in r.stdout and m.snapshot_id in r.stdout and "elastic-ep/tiny-moe" in r.stdout and "artifacts" in r.stdout
+    assert m.tier == "criu" and m.criu_version == "4.1.1" and m.max_ranks == 2 and m.bake_seconds > 0
+    image = {n: d for n, d in m.files.items() if n.startswith("criu/")}
+    assert "criu/criu-image.json" in image and m.image_bytes == sum(
+        (out / n).stat().st_size for n in image if n not in ("criu/criu-image.json", "criu/dump.log")
     )
+    r = cli("list", env_root=root, check=0)
+    assert "ID" in r.stdout and m.snapshot_id in r.stdout and "elastic-ep/tiny-moe" in r.stdout and "criu" in r.stdout
     r = cli("list", "--root", tmp_path / "empty", check=0)
     assert "no snapshots" in r.stdout
 
@@ -312,6 +316,12 @@ def test_cli_round_trip(tmp_path):
 
     r = cli("verify", out, check=0)
     assert r.stdout.startswith("ok")
+    core = next(n for n in image if n.startswith("criu/core-"))
+    data = (out / core).read_bytes()
+    (out / core).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    r = cli("verify", out, check=1)
+    assert f"{core}: checksum mismatch" in r.stderr
+    (out / core).write_bytes(data)
     (out / "warmup.json").write_text("{}")
     r = cli("verify", out, check=1)
     assert "warmup.json: checksum mismatch" in r.stderr

@@ -1,18 +1,21 @@
-"""Snapshots in the elastic flow: a baked snapshot that fits is used for a joiner, tampered or
-foreign ones are refused with the reason and the joiner cold-starts; a leaving rank parks and the
-next scale-up restores it instead of starting a process."""
+"""Snapshots in the elastic flow, with real CRIU: joiners are restored from a baked worker image,
+two at once from one image, and serve exactly what the reference does; a tampered image is
+refused with the reason and the joiner cold-starts; a leaving rank parks and the next scale-up
+restores it instead of starting a process; restored processes die with the graph."""
 
 from __future__ import annotations
 
-import shutil
+import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from harness.reference import make_checkpoint
 from harness.server import ROOT, Server, Traffic, engine_reference, scale
-from snapshot.bake import bake
+from snapshot.bake import IMAGE_DIR, bake
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(8)]
@@ -20,52 +23,102 @@ PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(8)]
 
 @pytest.fixture(scope="module")
 def snapshots(tmp_path_factory):
+    """The store holds a tampered image and another model's; a good image waits beside it."""
     root = tmp_path_factory.mktemp("snapshots")
-    good, _ = bake(root / "good", progress=False)
-    tampered, _ = bake(root / "tampered", progress=False)
-    with open(tampered / "engine.json", "r+b") as f:
-        f.seek(3)
-        f.write(b"X")
+    good, _ = bake(tmp_path_factory.mktemp("later") / "good", tier="criu", progress=False)
+    tampered, m = bake(root / "tampered", tier="criu", progress=False)
+    pages = max(
+        (n for n in m.files if n.startswith(f"{IMAGE_DIR}/pages-")), key=lambda n: (tampered / n).stat().st_size
+    )
+    with open(tampered / pages, "r+b") as f:
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 1]))
     other = make_checkpoint("mixtral", tmp_path_factory.mktemp("other-model"))
-    bake(root / "other", model_dir=other, max_len=256, progress=False)
-    return root, good
+    bake(root / "other", model_dir=other, max_len=256, tier="criu", progress=False)
+    return root, good, tampered / pages
 
 
 @pytest.fixture(scope="module")
 def server(snapshots):
-    root, _ = snapshots
-    srv = Server(["--Worker.max_ranks=4", f"--Worker.snapshot_root={root}", "--Planner.enabled=false"])
+    root, _, _ = snapshots
+    srv = Server(
+        ["--Worker.max_ranks=4", "--Worker.dp_size=1", f"--Worker.snapshot_root={root}", "--Planner.enabled=false"]
+    )
     try:
         yield srv
     finally:
         srv.stop()
 
 
-def test_joiners_use_a_fitting_snapshot_refuse_bad_ones_and_restore_parked_ranks(server, snapshots):
-    reference = dict(enumerate(engine_reference(PROMPTS, MAX_TOKENS)))
-    with Traffic(server, PROMPTS, MAX_TOKENS, clients=3) as traffic:
-        up = scale(server, 3)
-        down = scale(server, 2)
-        again = scale(server, 3)
-    assert [op["phase"] for op in (up, down, again)] == ["done"] * 3, (up, down, again)
-    assert up["joined_from"] == {"2": "snapshot"}
-    assert down["parked"] == [2]
-    assert again["joined_from"] == {"2": "parked"}
-    assert again["phases"]["starting"] < up["phases"]["starting"]
-    log = server.tail(2000)
-    assert "engine.json: checksum mismatch" in log  # the tampered one, refused by name
-    assert "model_identity" in log  # the other model's, refused by field
-    assert "RESTORED (from artifacts snapshot" in log
+@pytest.fixture(scope="module")
+def reference():
+    return dict(enumerate(engine_reference(PROMPTS, MAX_TOKENS)))
+
+
+def started(log: str, op: str) -> dict[int, tuple[int, str]]:
+    """rank -> (pid as seen from the router, how) of the processes operation `op` started."""
+    found = re.findall(rf"\[op {op}\] started Worker\.(\d+) \(pid (\d+), (\w+)\)", log)
+    return {int(r): (int(pid), how) for r, pid, how in found}
+
+
+def ns_pid(pid: int) -> int:
+    """`pid`'s PID in its innermost namespace."""
+    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("NSpid:"))
+    return int(line.split()[-1])
+
+
+def test_a_tampered_image_is_refused_and_the_joiner_cold_starts(server, snapshots, reference):
+    _, _, pages = snapshots
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=2) as traffic:
+        op = scale(server, 2)
+    assert op["phase"] == "done" and op["joined_from"] == {"1": "cold"}, op
+    why = op["snapshot_refused"]["1"]
+    assert f"snapshot {pages.parents[1]}: {IMAGE_DIR}/{pages.name}: checksum mismatch (tampered or corrupt)" in why
+    assert "model_identity" in why  # the other model's, refused by field
     assert traffic.errors == []
-    assert all(toks == reference[p] for p, toks, _, _ in traffic.results)
+    assert all(text == reference[p] for p, text, _, _ in traffic.results)
 
 
-def test_no_fitting_snapshot_falls_back_to_a_cold_start(server, snapshots):
-    root, good = snapshots
-    shutil.rmtree(good)
-    op = scale(server, 4)
-    assert op["phase"] == "done" and op["joined_from"] == {"3": "cold"}, op
-    assert scale(server, 2)["phase"] == "done"
+def test_two_joiners_restored_from_one_image_serve_the_reference(server, snapshots, reference):
+    root, good, _ = snapshots
+    good.rename(root / "good")
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=3) as traffic:
+        up = scale(server, 4)
+        assert up["phase"] == "done", up
+        deadline = time.monotonic() + 120
+        while not traffic.errors and time.monotonic() < deadline:  # until both restored ranks served
+            served = {r["rank"]: r["requests_total"] for r in server.topology()["ranks"]}
+            if min(served[2], served[3]) >= 2:
+                break
+            time.sleep(0.2)
+        down = scale(server, 3)
+        again = scale(server, 4)
+    joiners = range(up["from_size"], 4)  # 2 and 3, after the test above
+    assert up["joined_from"] == {str(r): "snapshot" for r in joiners} and up["snapshot_refused"] == {}, up
+    assert down["phase"] == "done" and down["parked"] == [3]
+    assert again["phase"] == "done" and again["joined_from"] == {"3": "parked"}
+    ranks = {r["rank"]: r for r in server.topology()["ranks"]}
+    assert min(ranks[2]["requests_total"], ranks[3]["requests_total"]) >= 2, ranks
+    assert [ranks[r]["started_from"] for r in range(4)] == ["cold"] * (4 - len(joiners)) + ["snapshot"] * len(joiners)
+    log = server.output
+    assert "RESTORED (restored from snapshot" in log
+    assert traffic.errors == []
+    assert all(text == reference[p] for p, text, _, _ in traffic.results)
+    # Each copy runs in its own PID namespace, with the PID the baked process had there; ranks
+    # report their PID as the router sees it.
+    copies = started(log, up["id"])
+    assert {r: how for r, (_, how) in copies.items()} == {r: "snapshot" for r in joiners}
+    assert all(ranks[r]["pid"] == copies[r][0] for r in joiners), (ranks, copies)
+    inside = {ns_pid(pid) for pid, _ in copies.values()}
+    assert len(inside) == 1 and inside != {pid for pid, _ in copies.values()}
+    # The graph gone, so are the restored processes, reaped (no zombie left).
+    server.stop()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid, _ in copies.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(Path(f"/proc/{pid}").exists() for pid, _ in copies.values())
 
 
 def test_checkpointing_parked_cuda_ranks_needs_the_vmm_arena(tmp_path):

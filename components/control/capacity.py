@@ -7,17 +7,21 @@ exist (a local process, a restored snapshot, a Kubernetes pod) is the provider's
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import logging
 import os
 import signal
+import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Protocol
 
 import msgspec
 
-from components.graph.component import COMPONENT_ENV, GRAPH_ENV, GraphContext, encode_context
-from components.graph.spawn import Child, spawn
+from components.graph.component import COMPONENT_ENV, GRAPH_ENV, GraphContext, ProcessSpec, encode_context
+from components.graph.spawn import Child, adopt, spawn
 from components.protocol.config import WorkerConfig
 from components.worker import FAULT_ENV, Worker
 
@@ -25,9 +29,13 @@ log = logging.getLogger("components.control.capacity")
 
 
 class CapacityProvider(Protocol):
+    # Why each new rank of the last acquire() was not restored from a snapshot (none fitted, one
+    # failed its checksums, its restore failed), for the operation's record.
+    refused: dict[int, str]
+
     async def acquire(self, ranks: list[int], op: str, fault: str = "") -> dict[int, str]:
-        """Bring up a joining worker for each rank: restore a parked one, or start a process
-        (which starts from a baked snapshot that fits, if it finds one). Returns rank -> "parked" |
+        """Bring up a joining worker for each rank: restore a parked one, restore a process from
+        a baked snapshot that fits, or start a process. Returns rank -> "parked" | "snapshot" |
         "new"."""
 
     @property
@@ -52,9 +60,17 @@ class CapacityProvider(Protocol):
     async def close(self) -> None: ...
 
 
+def _import_snapshot_choice() -> None:
+    import snapshot.bake  # noqa: F401
+    import snapshot.store  # noqa: F401
+    from components.engine import rank  # noqa: F401
+
+
 class LocalProvider:
     """Joining ranks as processes on this host, output prefixed like `dynamo serve` does; ranks
-    that left are parked and restored first."""
+    that left are parked and restored first. A new rank is restored from a criu-tier snapshot
+    under Worker.snapshot_root that fits the deployment and passes its checksums (each copy in its
+    own PID namespace, so one image serves any number of joiners at once), else cold-started."""
 
     def __init__(self, ctx: GraphContext):
         self.ctx = ctx
@@ -65,6 +81,11 @@ class LocalProvider:
         # Ranks restored from parked that `dynamo serve` started (not in procs): an abort must
         # still be able to stop them, or the next scale-up starts a second process for the rank.
         self.restored: dict[int, int] = {}  # rank -> pid
+        self.refused: dict[int, str] = {}
+        if self.wcfg.snapshot_root:
+            # Choosing a snapshot computes what the deployment expects of one (torch, the model's
+            # config): imported now, not inside the first scale-up's starting phase.
+            threading.Thread(target=_import_snapshot_choice, name="snapshot-imports", daemon=True).start()
 
     @functools.cached_property
     def checkpoints_parked(self) -> bool:
@@ -106,6 +127,8 @@ class LocalProvider:
 
     async def acquire(self, ranks: list[int], op: str, fault: str = "") -> dict[int, str]:
         how: dict[int, str] = {}
+        self.refused = {}
+        new: list[int] = []
         for rank in ranks:
             if rank in self.parked and not fault:
                 if await self._unpark(rank, op):
@@ -113,27 +136,124 @@ class LocalProvider:
                     continue
             if rank in self.parked:  # a fault test wants a fresh process: retire the parked one
                 await self.release(rank, op, graceful=False)
-            how[rank] = "new"
-            spec = Worker.rank_process(rank, join=True)
-            env = {
-                **os.environ,
-                GRAPH_ENV: encode_context(self.ctx),
-                COMPONENT_ENV: "Worker",
-                "PYTHONUNBUFFERED": "1",
-            }
-            env.pop(FAULT_ENV, None)
-            if fault:
-                env[FAULT_ENV] = fault
-            child = self.procs[rank] = await spawn(spec, env)
+            new.append(rank)
+        if not new:
+            return how
+        env = {**os.environ, GRAPH_ENV: encode_context(self.ctx), COMPONENT_ENV: "Worker", "PYTHONUNBUFFERED": "1"}
+        env.pop(FAULT_ENV, None)
+        if fault:
+            env[FAULT_ENV] = fault
+        snap, why = await self._snapshot(op)
+        started = await asyncio.gather(*(self._start(r, env, snap, why, op) for r in new), return_exceptions=True)
+        failed = [e for e in started if isinstance(e, BaseException)]
+        for rank, res in zip(new, started):
+            if isinstance(res, BaseException):
+                continue
+            child, started_how = res
+            self.procs[rank] = child  # known before any failure is raised: release() can stop it
+            how[rank] = started_how
             log.info(
                 "[op %s] started %s (pid %d, %s)%s",
                 op,
-                spec.label,
+                child.label,
                 child.pid,
-                how[rank],
+                started_how,
                 f" with fault {fault}" if fault else "",
             )
+        if failed:
+            raise failed[0]
         return how
+
+    async def _snapshot(self, op: str):
+        """The criu-tier snapshot new ranks are restored from (a SnapshotInfo, its checksums
+        verified), or None and why not ("" when no snapshot_root is configured)."""
+        root = self.wcfg.snapshot_root
+        if not root:
+            return None, ""
+        if self.wcfg.device != "cpu":
+            return None, f"Worker.device {self.wcfg.device}: joiners are restored from CRIU images on CPU only"
+
+        def pick():
+            from components.worker import model_source, rank_config
+            from snapshot.bake import target_for
+            from snapshot.criu import criu_status
+            from snapshot.store import find_compatible
+
+            ok, why = criu_status()
+            if not ok:
+                return None, why
+            target = target_for(model_source(self.wcfg)[0], rank_config(self.wcfg, 0))
+            found, refused = find_compatible(target, root, tiers=("criu",))
+            for reason in refused.values():
+                log.warning("[op %s] %s", op, reason)
+            if found:
+                return found[0], ""
+            return None, "; ".join(refused.values()) or f"no criu-tier snapshot under {root}"
+
+        t0 = time.perf_counter()
+        snap, why = await asyncio.to_thread(pick)
+        if snap is not None:
+            log.info(
+                "[op %s] restoring joiners from snapshot %s (fits, checksums verified in %.2f s)",
+                op,
+                snap.path,
+                time.perf_counter() - t0,
+            )
+        else:
+            log.info("[op %s] no snapshot to restore joiners from (%s): cold start", op, why)
+        return snap, why
+
+    async def _start(self, rank: int, env: dict[str, str], snap, why: str, op: str) -> tuple[Child, str]:
+        """Restore rank `rank` from `snap` if given (falling back to a cold start when that
+        fails), else cold-start it. Returns (its process, "snapshot" | "new")."""
+        spec = Worker.rank_process(rank, join=True)
+        if snap is not None:
+            try:
+                return await self._restore(rank, spec, env, snap), "snapshot"
+            except Exception as e:  # criu's reason; the rank still joins, cold
+                why = f"snapshot {snap.path}: restore failed: {e}"
+                log.warning("[op %s] Worker.%d: %s; cold start instead", op, rank, why)
+        if why:
+            self.refused[rank] = why
+        return await spawn(spec, env), "new"
+
+    async def _restore(self, rank: int, spec: ProcessSpec, env: dict[str, str], snap) -> Child:
+        """Restore a copy of the snapshot's worker in its own PID namespace, and tell it through
+        its stdin pipe which rank of which deployment it is (RankServer.restored)."""
+        from components.worker import RestoreIdentity
+        from snapshot.bake import IMAGE_DIR
+        from snapshot.criu_image import restore, verify_image
+
+        image = Path(snap.path) / IMAGE_DIR
+        stdin_r, stdin_w = os.pipe()
+        out_r, out_w = os.pipe()
+        restored = None
+        try:
+            t0 = time.perf_counter()
+            restored = await asyncio.to_thread(
+                restore, image, output=out_w, stdin=stdin_r, manifest=verify_image(image, checksums=False)
+            )
+            log.info("Worker.%d: criu restore took %.3f s", rank, time.perf_counter() - t0)
+            who = RestoreIdentity(
+                rank=rank,
+                pid=restored.pid,
+                context=self.ctx,
+                env={k: v for k, v in env.items() if k not in (GRAPH_ENV, COMPONENT_ENV)},
+                nonce=uuid.uuid4().hex[:12],
+                snapshot=snap.manifest.snapshot_id,
+            )
+            data = msgspec.msgpack.encode(who)
+            fcntl.fcntl(stdin_w, fcntl.F_SETPIPE_SZ, max(len(data), 1 << 16))
+            os.write(stdin_w, data)  # all of it fits the pipe; the copy reads to its end
+        except BaseException:
+            os.close(out_r)
+            if restored is not None:
+                restored.close()
+            raise
+        finally:
+            for fd in (stdin_r, stdin_w, out_w):
+                os.close(fd)
+        return await adopt(spec, restored, out_r)
 
     def alive(self, rank: int) -> bool | None:
         child = self.procs.get(rank)

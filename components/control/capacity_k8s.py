@@ -53,6 +53,7 @@ class KubernetesProvider:
         self._ssl = ssl.create_default_context(cafile=ca) if self.api_url.startswith("https") else None
         self.poll_s, self.release_timeout_s = poll_s, release_timeout_s
         self.held: set[int] = set()  # ranks acquired through this provider and not released
+        self.refused: dict[int, str] = {}  # pods start as their image says: no snapshot chosen here
         self._phase: dict[int, str] = {}
         self._session: aiohttp.ClientSession | None = None
         self._watch: asyncio.Task | None = None

@@ -312,6 +312,7 @@ class Operation:
             await self.pause_all()
         self.transition(Phase.STARTING, f"joiners {self.joiners}")
         self.record.joined_from = await self.provider.acquire(self.joiners, self.id, req.fault)
+        self.record.snapshot_refused = dict(self.provider.refused)
         for r, how in self.record.joined_from.items():
             if how != "parked":  # a new process: whatever instance this rank had is gone
                 self.port.forget(r)

@@ -226,6 +226,18 @@ class NixlCommunicator:
                 self.name = f"{self._base_name}.{self._generation}"
                 self._open_agent()
 
+    def assume_rank(self, rank: int, name: str) -> None:
+        """While suspended: become rank `rank`, the next agent named after `name` (a process
+        restored from a snapshot image is told its rank only then; its PID is every copy's)."""
+        with self._lock:
+            self._check_open()
+            if self._nixl is not None:
+                raise EPError(f"rank {self.rank}: assume_rank needs the communicator suspended")
+            if not 0 <= rank < self.max_ranks:
+                raise ValueError(f"rank {rank} outside [0, {self.max_ranks})")
+            self.rank, self._active = rank, (rank,)
+            self._base_name, self._generation, self.name = name, 0, name
+
     # ------------------------------------------------------------------ membership
 
     def metadata(self) -> bytes:

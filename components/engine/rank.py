@@ -190,6 +190,15 @@ class EngineRank:
         self._thread: threading.Thread | None = None
 
     # ---- setup -------------------------------------------------------------------------------
+    def assume_rank(self, rank: int, agent_name: str) -> None:
+        """Become rank `rank` before the step loop starts, the communicator suspended (a rank
+        restored from a snapshot image, built as rank 0): nothing else depends on the rank until
+        weights and experts are placed."""
+        if self._thread is not None:
+            raise RuntimeError("assume_rank before start()")
+        self.comm.assume_rank(rank, agent_name)
+        self.cfg = msgspec.structs.replace(self.cfg, rank=rank)
+
     def load_experts(self, placement: Placement, since: Placement | None = None) -> None:
         """Fill this rank's slots from the checkpoint as `placement` says (a cold start); with
         `since`, only those that changed (experts whose every replica was on a failed rank)."""

@@ -19,7 +19,7 @@ TAIL_LINES = 20
 class Child:
     """A started process, its output pump, and its last lines of output."""
 
-    def __init__(self, spec: ProcessSpec, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, spec: ProcessSpec, proc: asyncio.subprocess.Process | RestoredProcess) -> None:
         self.spec, self.proc = spec, proc
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         assert proc.stdout is not None
@@ -57,11 +57,44 @@ class Child:
             sys.stdout.flush()
 
 
-def _die_with_parent() -> None:
+class RestoredProcess:
+    """A process restored from a CRIU image (snapshot.criu_image.Restored) as Child sees a
+    process: its pid from here, an exit status (criu's: 0 however the copy ended), wait(), and
+    the pipe its output comes through."""
+
+    def __init__(self, restored, stdout: asyncio.StreamReader) -> None:
+        self.restored, self.stdout = restored, stdout
+
+    @property
+    def pid(self) -> int:
+        return self.restored.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.restored.returncode
+
+    async def wait(self) -> int | None:
+        while self.restored.running():
+            await asyncio.sleep(0.05)
+        self.restored.close()  # reaped; its restore workdir removed
+        return self.returncode
+
+
+async def adopt(spec: ProcessSpec, restored, output_fd: int) -> Child:
+    """A Child for a process restored from a CRIU image whose output goes to the pipe read end
+    `output_fd` (taken over: closed with the reader)."""
+    reader = asyncio.StreamReader(limit=1 << 20)
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(output_fd, "rb", 0))
+    return Child(spec, RestoredProcess(restored, reader))
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send `sig` to this process once its parent is gone."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except Exception:
         pass
 
@@ -75,7 +108,7 @@ async def spawn(spec: ProcessSpec, env: dict[str, str]) -> Child:
         stderr=asyncio.subprocess.STDOUT,
         env={**env, **spec.env},
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
         limit=1 << 20,
     )
     return Child(spec, proc)

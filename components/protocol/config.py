@@ -24,8 +24,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_seqs: int = 16
     max_len: int = 0  # longest sequence; 0 = the model's context length, capped by memory
     max_batched_tokens: int = 256
-    # Baked snapshots (`snapshot-bake bake`) joiners may start from; "" = none. One that does not
-    # match this deployment, or fails its checksums, is refused and the joiner cold-starts.
+    # Baked snapshots (`snapshot-bake bake`, the criu tier) new joiners are restored from; "" =
+    # none. One that does not match this deployment, fails its checksums or fails to restore is
+    # refused (the reason logged and in the operation's record) and the joiner cold-starts.
     snapshot_root: str = ""
     # CUDA: weights and KV cache in a CUDA VMM arena, released while a rank is parked (its
     # checkpoint then holds no weights) and mapped again at the same addresses on restore.

@@ -150,6 +150,7 @@ class RankSummary(msgspec.Struct, kw_only=True):
     # block), so in use / total is slots held by running sequences / max_seqs.
     kv_used: int = 0
     kv_total: int = 0
+    started_from: str = "cold"  # "snapshot" when restored from a baked snapshot's CRIU image
 
 
 class RankStatus(RankSummary, kw_only=True):
@@ -163,7 +164,6 @@ class RankStatus(RankSummary, kw_only=True):
     active: list[int]
     connected: list[int]
     load: list[list[int]]  # tokens routed to each expert, per MoE layer, since the last rebalance
-    started_from: str = "cold"  # "snapshot" when it started from a baked snapshot that fit
     ep_failed_peers: list[int] = []  # peers an EP collective failed on since the last Configure
 
 

@@ -75,7 +75,8 @@ class OpRecord(msgspec.Struct):
     total_s: float | None = None
     handed_over: int = 0
     pull_bytes: int = 0
-    joined_from: dict[int, str] = {}  # joiner -> "parked" | "snapshot" | "cold"
+    joined_from: dict[int, str] = {}  # joiner -> "parked" | "snapshot" (restored from its image) | "cold"
+    snapshot_refused: dict[int, str] = {}  # new joiner -> why no snapshot was restored for it
     parked: list[int] = []  # leaving ranks kept for the next scale-up
     error: str = ""  # why it aborted or rolled back, or what failed after its commit
     followup_error: str = ""  # the commit held but its cleanup or rebalance failed

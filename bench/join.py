@@ -1,0 +1,97 @@
+"""Join time: a joiner restored from a snapshot's CRIU image beside a cold joiner, by phase.
+
+Bakes a criu-tier snapshot of the deployment's worker (`snapshot-bake bake`, timed), serves the
+graph (`dynamo serve graphs/elastic:Frontend`, options after `--`) at one rank with an empty
+snapshot store, scales 1 -> 2 (rank 1 starts cold), moves the snapshot into the store and scales
+2 -> 3 (rank 2 is restored from it). Per join: the operation's phases from the router's record,
+"starting" being the joiner's process start (or restore) until it registered, and its total,
+start to serving (routable). After each join, greedy completions must equal the first ones seen.
+Results: a table and bench/results/join.json (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness.server import Server, scale
+
+PHASES = ["starting", "loading", "warming", "connecting", "committing"]
+PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(4)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-ranks", type=int, default=4, help="Worker.max_ranks, baked and served (default: 4)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--out", type=Path, default=Path("bench/results/join.json"))
+    p.add_argument("graph_args", nargs="*", help="more `dynamo serve` options (after --), e.g. --Worker.max_seqs=8")
+    args = p.parse_args()
+    from snapshot.bake import bake
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-join-"))
+    root = tmp / "store"
+    root.mkdir()
+    t0 = time.perf_counter()
+    snap, m = bake(tmp / "snap", tier="criu", max_ranks=args.max_ranks, progress=True)
+    baked = {"wall_s": time.perf_counter() - t0, "image_bytes": m.image_bytes, "snapshot_id": m.snapshot_id}
+    opts = [
+        "--Planner.enabled=false",
+        "--Worker.dp_size=1",
+        f"--Worker.max_ranks={args.max_ranks}",
+        f"--Worker.snapshot_root={root}",
+        *args.graph_args,
+    ]
+    srv = Server(opts, boot_timeout_s=600, model=None)
+    rows = []
+    try:
+        first = [srv.stream_text(q, args.max_tokens) for q in PROMPTS]
+        for size, how in ((2, "cold"), (3, "snapshot")):
+            if how == "snapshot":
+                snap.rename(root / snap.name)
+            op = scale(srv, size)
+            if op["phase"] != "done":
+                raise SystemExit(f"scale to {size} failed: {op}")
+            joiner = str(size - 1)
+            rows.append(
+                {
+                    "joined_from": op["joined_from"][joiner],
+                    "scale": f"{size - 1} -> {size}",
+                    "phases": {k: op["phases"].get(k, 0.0) for k in PHASES},
+                    "total_s": op["total_s"],
+                    "snapshot_refused": op["snapshot_refused"],
+                    "greedy_equal": [srv.stream_text(q, args.max_tokens) for q in PROMPTS] == first,
+                }
+            )
+    finally:
+        srv.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = {
+        "command": " ".join([sys.executable, "-m", "bench.join", *sys.argv[1:]]),
+        "serve_options": opts[:3] + opts[4:],  # not the temporary store
+        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        "bake": baked,
+        "joins": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"baked in {baked['wall_s']:.1f} s, image {m.image_bytes / 2**20:.0f} MiB")
+    print("| joined from | scale | " + " | ".join(f"{k} s" for k in PHASES) + " | start to serving s | greedy equal |")
+    print("|---|---|" + "---|" * len(PHASES) + "---|---|")
+    for r in rows:
+        print(
+            f"| {r['joined_from']} | {r['scale']} | "
+            + " | ".join(f"{r['phases'][k]:.3f}" for k in PHASES)
+            + f" | {r['total_s']:.3f} | {r['greedy_equal']} |"
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
