@@ -226,6 +226,12 @@ class PeerWindows:
             why = "abandoned (declared gone)" if int(self.abort[0]) else f"timed out after {self.timeout_s:g}s"
             raise EPError(f"rank {self.rank}: EP exchange with ranks {failed} {why}", failed)
 
+    def assume_rank(self, rank: int) -> None:
+        """A process restored from a snapshot image becomes `rank` (no peer mapped yet)."""
+        self.table.zero_()
+        self.table[rank] = self.box.ptr
+        self.rank = rank
+
     def suspend(self) -> None:
         """Parking: unmap every peer's window (a CUDA checkpoint refuses imported memory)."""
         for r in list(self.windows.mapped):
@@ -392,6 +398,11 @@ class WindowCommunicator:
 
     def resume(self) -> None:
         self.host.resume()
+
+    def assume_rank(self, rank: int, name: str) -> None:
+        self.host.assume_rank(rank, name)
+        self.windows.assume_rank(rank)
+        self.rank = rank
 
     def close(self) -> None:
         self.windows.close()
