@@ -74,6 +74,10 @@ class EPCommunicator(Protocol):
         """Parking: drop every peer and all transport state, keeping buffers at their addresses.
         Until resume() only this rank may be active, and metadata() is empty."""
 
+    def assume_rank(self, rank: int, name: str) -> None:
+        """While suspended: become `rank`, the next transport state named after `name` (a process
+        restored from a snapshot image learns its rank only then)."""
+
     def resume(self) -> None:
         """After parking: transport state back (new metadata), same buffers."""
 
