@@ -696,6 +696,8 @@ async def serve(rank: int, join: bool) -> None:
 
     ctx, _ = load_context()
     cfg = component_config(Worker.Config)
+    # Before the first NIXL agent reads UCX's configuration.
+    os.environ["UCX_NET_DEVICES"] = cfg.net_devices
     server = RankServer(rank, cfg, ctx, join)
     parent = os.getppid()  # before loading: who started this process, however long loading takes
     try:

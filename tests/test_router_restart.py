@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -77,3 +78,35 @@ def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(serve
     assert up["phase"] == "done" and up["error"] == "", up
     assert up["joined_from"] == {"3": "parked"}
     assert server.topology()["active"] == [0, 1, 2, 3]
+
+
+def listening(pid: int) -> list[str]:
+    """The local addresses (hex ip:port, as /proc/net/tcp writes them) the process listens on."""
+    fds = Path(f"/proc/{pid}/fd")
+    inodes = set()
+    for fd in fds.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                found.append(f[1])
+    return found
+
+
+LOOPBACK = ("0100007F", "00000000000000000000000001000000")  # 127.0.0.1, ::1
+
+
+def test_the_ranks_data_plane_listens_on_loopback_only(server):
+    """UCX's TCP transport listens on every network device it may use; Worker.net_devices ("lo"
+    by default) keeps those listeners, the ranks' NIXL data plane, off other interfaces."""
+    for r in server.topology()["ranks"]:
+        addrs = listening(r["pid"])
+        assert addrs, r["rank"]
+        assert [a for a in addrs if a.split(":")[0] not in LOOPBACK] == [], (r["rank"], addrs)

@@ -28,6 +28,15 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # checkpoint then holds no weights) and mapped again at the same addresses on restore.
     # Same-node peers map the arena to pull from it (VMM file descriptors, not CUDA IPC).
     vmm: bool = False
+    # The network devices the ranks' NIXL agents may use (UCX_NET_DEVICES), which are also the
+    # interfaces their UCX listeners bind: "lo" keeps the data plane on this host, unreachable
+    # from others. A deployment across hosts names its NICs ("mlx5_0:1,eth0") or "all"; CUDA and
+    # shared-memory transports on one host are not network devices and work either way.
+    net_devices: str = "lo"
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.:\-]+(,[A-Za-z0-9_.:\-]+)*", self.net_devices):
+            raise ValueError('net_devices must be "all" or a comma-separated list of devices, e.g. "lo" or "mlx5_0:1"')
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
