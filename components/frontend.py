@@ -15,6 +15,7 @@ import json
 import logging
 import signal
 import socket
+import sys
 from typing import Any, ClassVar
 
 from components.graph.component import Component, component_config, load_context
@@ -131,6 +132,15 @@ async def guard(cfg: FrontendConfig, upstream: str):
     app.router.add_route("*", "/{tail:.*}", forward)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
+    # Clients find the port closed until Dynamo's service listens, as they would without the guard.
+    host, port = upstream.rsplit("//", 1)[1].rsplit(":", 1)
+    while True:
+        try:
+            _, w = await asyncio.open_connection(host, int(port))
+            w.close()
+            break
+        except OSError:
+            await asyncio.sleep(0.1)
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     return runner, session
 
@@ -147,7 +157,7 @@ async def serve(cfg: FrontendConfig) -> None:
         loop.add_signal_handler(sig, rt.shutdown)
 
     internal = _free_loopback_port()
-    runner, session = await guard(cfg, f"http://127.0.0.1:{internal}")
+    public = asyncio.ensure_future(guard(cfg, f"http://127.0.0.1:{internal}"))
     args = EntrypointArgs(
         EngineType.Dynamic,
         http_host="127.0.0.1",
@@ -157,14 +167,32 @@ async def serve(cfg: FrontendConfig) -> None:
         migration_limit=cfg.migration_limit,
     )
     engine = await make_engine(rt, args)
-    log.info("OpenAI HTTP service on http://%s:%d (namespace %s)", cfg.host, cfg.port, ctx.namespace)
+
+    def listening(task: asyncio.Future) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:  # the configured port taken, say: nothing could reach us
+            log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, task.exception())
+            failed.set()
+            rt.shutdown()
+            return
+        log.info("OpenAI HTTP service on http://%s:%d (namespace %s)", cfg.host, cfg.port, ctx.namespace)
+
+    failed = asyncio.Event()
+    public.add_done_callback(listening)
     try:
         await run_input(rt, "http", engine)
     except asyncio.CancelledError:
         pass
     finally:
-        await runner.cleanup()
-        await session.close()
+        if public.done() and not public.cancelled() and public.exception() is None:
+            runner, session = public.result()
+            await runner.cleanup()
+            await session.close()
+        else:
+            public.cancel()
+    if failed.is_set():
+        sys.exit(1)
     log.info("frontend stopped")
 
 
