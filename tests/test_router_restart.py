@@ -1,7 +1,8 @@
 """The router SIGKILLed under streaming load: `dynamo serve` restarts it, requests flow on (they
 never pass through it), and the new router adopts what the ranks serve: the same epoch, active
 set and processes, the joiners the old router started still serving, its parked rank parked
-capacity again; the next scale-up takes that parked rank back."""
+capacity again; the next scale-up takes that parked rank back. Killed in the middle of a commit,
+the next router completes it under a new epoch."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(["--Worker.max_ranks=4", "--Worker.dp_size=2", "--Planner.enabled=false"])
+    srv = Server(
+        ["--Worker.max_ranks=4", "--Worker.dp_size=2", "--Planner.enabled=false", "--Router.allow_fault_injection=true"]
+    )
     try:
         yield srv
     finally:
@@ -47,8 +50,12 @@ def wait_router_back(srv: Server, old: int, timeout: float = 120) -> int:
     raise AssertionError(f"the router did not come back within {timeout} s:\n{srv.tail(80)}")
 
 
-def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(server):
-    reference = engine_reference(PROMPTS, MAX_TOKENS)
+@pytest.fixture(scope="module")
+def reference():
+    return engine_reference(PROMPTS, MAX_TOKENS)
+
+
+def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(server, reference):
     assert scale(server, 4)["phase"] == "done"  # ranks 2 and 3: joiners this router started
     assert scale(server, 3)["phase"] == "done"  # rank 3 parked
     before = server.topology()
@@ -110,3 +117,31 @@ def test_the_ranks_data_plane_listens_on_loopback_only(server):
         addrs = listening(r["pid"])
         assert addrs, r["rank"]
         assert [a for a in addrs if a.split(":")[0] not in LOOPBACK] == [], (r["rank"], addrs)
+
+
+def test_a_commit_the_killed_router_left_half_done_is_completed_by_the_next(server, reference):
+    """The joiner stalls in Configure (injected) while the serving ranks are paused and already
+    configured for the new epoch: the router dies there. The next one finds the ranks on two
+    epochs, paused, the joiner staged, and commits the newest topology again under a new epoch."""
+    assert scale(server, 3)["phase"] == "done"  # rank 3 parks
+    epoch = server.topology()["epoch"]
+    r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_configure=6"})
+    assert r.status_code == 202, r.text
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        deadline = time.monotonic() + 120
+        while (server.topology()["operation"] or {}).get("phase") != "committing":
+            assert time.monotonic() < deadline, server.tail(60)
+            time.sleep(0.05)
+        time.sleep(1.0)  # Configure reached the serving ranks; the joiner stalls in its own
+        old = router_pids(server)[-1]
+        os.kill(old, signal.SIGKILL)
+        wait_router_back(server, old)
+        time.sleep(2.0)
+    assert f"committing it again as epoch {epoch + 2}" in server.output, server.tail(80)
+    after = server.topology()
+    assert (after["epoch"], after["active"]) == (epoch + 2, [0, 1, 2, 3])
+    ranks = {r["rank"]: r for r in after["ranks"]}
+    assert all(ranks[r]["state"] == "ACTIVE" and ranks[r]["routable"] and not ranks[r]["paused"] for r in range(4))
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(server, 3)["phase"] == "done"

@@ -323,7 +323,7 @@ class RouterService:
 
     async def _retire(self, rank: int, provider: CapacityProvider) -> None:
         """A rank of an unfinished operation: one that may still relay handed-over streams
-        (leaving) or was connected (staged) exits itself; any other is stopped."""
+        (leaving) or was connected (staged) exits itself; any other is killed (fenced)."""
         st = self.statuses[rank]
         graceful = st.state in (RankState.STAGED, RankState.LEAVING)
         if graceful:
@@ -339,10 +339,10 @@ class RouterService:
             st.epoch,
             "exiting" if graceful else "stopping it",
         )
-        if st.joiner:
-            await provider.release(rank, "adopt", graceful=graceful)
-        elif not graceful:
+        if not graceful:  # it holds nothing yet: no reason to wait for it
             await provider.fence(rank, st.pid, "adopt")
+        elif st.joiner:
+            await provider.release(rank, "adopt")
         self.forget(rank)
 
     async def refresh(self, provider: CapacityProvider) -> None:
