@@ -192,8 +192,8 @@ class LocalProvider:
         self.parked.pop(rank, None)
         self.restored.pop(rank, None)
         self.adopted.pop(rank, None)
-        # A rank `dynamo serve` or an earlier router started: kill the pid if it is still that rank's worker (a pid
-        # is reused only after its process was reaped).
+        # A rank `dynamo serve` or an earlier router started: kill the pid if it is still that
+        # rank's worker (a pid is reused only after its process was reaped).
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
