@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 import uuid
@@ -26,6 +27,7 @@ from components.graph.component import (
     COMPONENT_ENV,
     EXIT_CANNOT_START,
     GRAPH_ENV,
+    GRAPH_PID_ENV,
     Component,
     GraphContext,
     ProcessSpec,
@@ -355,6 +357,8 @@ class RankServer:
             replays_diverged=e.sched.replays_diverged,
             started_from=self.started_from,
             ep_failed_peers=list(e.ep_failed_peers),
+            placement=e.placement,
+            joiner=self.join,
             kv_used=e.sched.slots_used,
             kv_total=e.sched.max_seqs,
         )
@@ -662,6 +666,53 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def die_with_graph(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], rank: int, parent: int) -> None:
+    """Stop (`stop`) when `dynamo serve` is gone. A joiner outlives the router that started it
+    (`parent`; a restarted router adopts it, capacity.py) but never the graph; its output went
+    through that router, so once the router is gone it goes to the graph's output itself."""
+    graph = int(os.environ.get(GRAPH_PID_ENV) or 0)
+    if not graph:
+        return
+    try:
+        loop.add_reader(os.pidfd_open(graph), stop)
+    except ProcessLookupError:  # gone before we looked
+        stop()
+        return
+    if parent == graph:
+        return
+
+    def parent_gone() -> None:
+        out = f"/proc/{graph}/fd/1"
+        try:
+            # A pipe or a terminal takes lines from two writers; a regular file opened by someone
+            # else would have them overwritten at its writer's offset.
+            shared = not stat.S_ISREG(os.stat(out).st_mode)
+            fd = os.open(out if shared else os.devnull, os.O_WRONLY)
+        except OSError:
+            fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        for h in logging.getLogger().handlers:  # labelled as `dynamo serve` would have
+            h.setFormatter(logging.Formatter(f"[Worker.{rank}] {LOG_FORMAT}"))
+        log.info("rank %d: the router that started this joiner is gone; serving on", rank)
+
+    try:
+        parent_fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        parent_gone()
+        return
+
+    def on_parent_exit() -> None:
+        loop.remove_reader(parent_fd)
+        parent_gone()
+
+    loop.add_reader(parent_fd, on_parent_exit)
+
+
 async def serve(rank: int, join: bool, server: RankServer | None = None) -> None:
     """Run rank `rank`: built here, or `server`, restored from a snapshot image (engine built)."""
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
@@ -669,11 +720,17 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
     from components.graph.runtime import make_runtime
 
     ctx, _ = load_context()
+    cfg = component_config(Worker.Config)
+    # Before the first NIXL agent reads UCX's configuration (a restored copy opens its agents
+    # after this, as it goes live).
+    os.environ["UCX_NET_DEVICES"] = cfg.net_devices
+    restored = server is not None
     if server is None:
-        server = RankServer(rank, component_config(Worker.Config), ctx, join)
+        server = RankServer(rank, cfg, ctx, join)
         start = server.load
     else:
         start = functools.partial(server.go_live, time.perf_counter())
+    parent = os.getppid()  # before loading: who started this process, however long loading takes
     try:
         await asyncio.to_thread(start)
     except ValueError as e:  # the model or the configuration: the same on every rank, every retry
@@ -683,6 +740,8 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
     rt = make_runtime(loop, ctx)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, rt.shutdown)
+    if not restored:  # a restored copy sees another PID namespace; it dies with its restorer
+        die_with_graph(loop, rt.shutdown, rank, parent)
     server.gen_ep = rt.endpoint(f"{ctx.namespace}.worker.generate")
     server.ctl_ep = rt.endpoint(f"{ctx.namespace}.worker.control")
     await register_model(
@@ -759,7 +818,7 @@ def main() -> None:
         help="join a serving group: pull weights from peers instead of reading the checkpoint",
     )
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     if args.bake:
         baked(args.bake)
     else:

@@ -106,7 +106,11 @@ class Server:
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=120)
         self.ctl = httpx.Client(base_url=f"http://127.0.0.1:{self.router_port}", timeout=120)
         if wait:
-            self.wait_ready(boot_timeout_s)
+            try:
+                self.wait_ready(boot_timeout_s)
+            except BaseException:  # the caller gets no Server to stop: leave no graph running
+                self.stop()
+                raise
 
     @property
     def output(self) -> str:

@@ -3,7 +3,9 @@ answered as if they had been honoured.
 
 Dynamo's frontend preprocesses a request into a dict before a worker sees it; `to_request` turns
 that into the engine's GenerateRequest. The dicts here are shaped like the real ones, recorded
-from the frontend (Dynamo 1.6.1) for the client parameters named beside each case.
+from the frontend (Dynamo 1.6.1) for the client parameters named beside each case. Parameters the
+preprocessing drops (`tools`, `logit_bias`, `suffix`, ...) never reach a worker: the frontend's
+guard refuses them from the request body (`dropped_parameter`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import openai
 import pytest
 from dynamo.llm.exceptions import InvalidArgument
 
+from components.frontend import dropped_parameter
 from components.worker import to_request
 from harness.server import Server
 
@@ -152,6 +155,47 @@ def test_supported_parameters_reach_the_engine() -> None:
     }
 
 
+DROPPED = {
+    # request body fields: the message
+    '"tools": [{"type": "function", "function": {"name": "f"}}]': "tools is not supported by this engine: "
+    "it has no tool calling",
+    '"tool_choice": "auto"': 'tool_choice="auto" is not supported by this engine: it has no tool calling',
+    '"tool_choice": {"type": "function", "function": {"name": "f"}}': "tool_choice is not supported by this "
+    "engine: it has no tool calling",
+    '"logit_bias": {"50256": -100}': "logit_bias is not supported by this engine: it applies no logit bias",
+    '"suffix": "end"': 'suffix="end" is not supported by this engine: it has no insertion (suffix) mode',
+    '"audio": {"voice": "alloy", "format": "wav"}': "audio is not supported by this engine: it generates text only",
+    '"modalities": ["text", "audio"]': "modalities is not supported by this engine: it generates text only",
+    '"reasoning_effort": "low"': 'reasoning_effort="low" is not supported by this engine: it has no reasoning budget',
+    '"web_search_options": {}': "web_search_options is not supported by this engine: it has no web search",
+    '"store": true': "store=true is not supported by this engine: it stores no completions",
+}
+
+
+@pytest.mark.parametrize("fields", list(DROPPED))
+def test_a_parameter_the_frontend_drops_is_refused_by_name(fields: str) -> None:
+    body = ('{"model": "m", "prompt": "hi", ' + fields + "}").encode()
+    assert dropped_parameter(body) == DROPPED[fields]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        "",  # nothing of them
+        ', "tools": null, "tool_choice": "none", "logit_bias": {}, "suffix": "", "modalities": ["text"]',
+        ', "store": false, "user": "alice", "metadata": {"k": "v"}, "service_tier": "auto"',
+        ', "parallel_tool_calls": true, "prediction": {"type": "content", "content": "x"}',
+    ],
+)
+def test_neutral_values_and_identifiers_pass_the_frontend(fields: str) -> None:
+    assert dropped_parameter(('{"model": "m", "prompt": "hi"' + fields + "}").encode()) is None
+
+
+def test_bodies_dynamo_refuses_itself_pass_the_guard_unread() -> None:
+    for body in (b"{not json", b"[1, 2]", b'"tools"'):
+        assert dropped_parameter(body) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # end to end: Dynamo's frontend turns the refusal into a 400 the OpenAI client raises
 
@@ -179,5 +223,31 @@ def test_served_graph_answers_400_naming_the_parameter(server) -> None:
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=2
         )
+    # Dropped by Dynamo's preprocessing: refused by the frontend's guard, in Dynamo's error shape.
+    with pytest.raises(
+        openai.BadRequestError, match='^Error code: 400 - .*suffix="end" is not supported by this engine'
+    ):
+        client.completions.create(model=model, prompt=prompt, max_tokens=4, suffix="end")
+    with pytest.raises(openai.BadRequestError, match="logit_bias is not supported by this engine"):
+        client.completions.create(model=model, prompt=prompt, max_tokens=4, logit_bias={"5": 10})
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tools is not supported by this engine: it has no tool calling"):
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, tools=[tool]
+        )
+    r = server.http.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tool_choice": "auto"},
+    )
+    assert (r.status_code, r.json()) == (
+        400,
+        {
+            "message": 'tool_choice="auto" is not supported by this engine: it has no tool calling',
+            "type": "Bad Request",
+            "code": 400,
+        },
+    )
     ok = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, n=1, presence_penalty=0)
     assert len(ok.choices) == 1 and ok.choices[0].finish_reason in ("length", "stop") and ok.usage.completion_tokens
+    ok = client.completions.create(model=model, prompt=prompt, max_tokens=4, user="alice", suffix="", logit_bias={})
+    assert ok.usage.completion_tokens

@@ -274,3 +274,49 @@ def test_a_rank_that_cannot_start_stops_the_graph_with_its_reason(tmp_path) -> N
         re.M,
     ), r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_a_restartable_component_is_started_again(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [env_tool("dynamo"), "serve", "tests/graphs/restart:Sidecar"],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+
+        def started(n: int) -> list[int]:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                pids = [int(p) for p in re.findall(r"started Sidecar \(pid (\d+), restartable\)", log.read_text())]
+                if len(pids) >= n:
+                    return pids
+                time.sleep(0.1)
+            raise AssertionError(log.read_text())
+
+        first = started(1)[0]
+        os.kill(first, signal.SIGKILL)
+        second = started(2)[1]
+        assert second != first and alive(second)
+        assert f"component Sidecar (pid {first}) was killed by signal SIGKILL; restarting it" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+        assert not alive(second)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_restartable_component_that_keeps_dying_stops_the_graph() -> None:
+    r = run_cli("serve", "tests/graphs/restart:Sidecar", "--Sidecar.exit_at_start=true")
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("exited with code 3; restarting it") == 2, r.stderr
+    assert (
+        "component Sidecar (pid " in r.stderr
+        and "exited with code 3, 3 times in a row within 30 s of its start; not restarting it again, stopping the graph"
+        in r.stderr
+    ), r.stderr
+    assert "stopping (Sidecar keeps dying)" in r.stderr

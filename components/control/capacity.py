@@ -2,6 +2,11 @@
 
 The router asks for ranks by number and later gives them back; how a rank's process comes to
 exist (a local process, a restored snapshot, a Kubernetes pod) is the provider's business.
+
+A joiner's process outlives the router that started it: a router restarted by `dynamo serve`
+finds it serving (or parked) and adopts it (`adopt`), so a router restart never costs a serving
+rank. It never outlives the graph: it watches `dynamo serve` itself (components/worker.py,
+`die_with_graph`), and the router that adopted it stops it when the router stops.
 """
 
 from __future__ import annotations
@@ -47,7 +52,12 @@ class CapacityProvider(Protocol):
         weights; on a GPU its CUDA state is checkpointed, so it holds no GPU memory either)."""
 
     def alive(self, rank: int) -> bool | None:
-        """False once a rank this provider started has died; None for ranks it did not start."""
+        """False once a rank this provider started (or adopted) has died; None for ranks it did
+        not start."""
+
+    def adopt(self, rank: int, pid: int, joiner: bool, parked: bool) -> None:
+        """A restarted router found this rank's process alive: from now on it is this provider's
+        as if it had started it (`joiner`: an earlier router did), parked capacity if `parked`."""
 
     async def release(self, rank: int, op: str, graceful: bool = True) -> None:
         """Make sure the rank's process is gone: after it was asked to exit (`graceful`: give it
@@ -86,6 +96,7 @@ class LocalProvider:
             # Choosing a snapshot computes what the deployment expects of one (torch, the model's
             # config): imported now, not inside the first scale-up's starting phase.
             threading.Thread(target=_import_snapshot_choice, name="snapshot-imports", daemon=True).start()
+        self.adopted: dict[int, int] = {}  # rank -> pid: joiners an earlier router started
 
     @functools.cached_property
     def checkpoints_parked(self) -> bool:
@@ -215,7 +226,8 @@ class LocalProvider:
                 log.warning("[op %s] Worker.%d: %s; cold start instead", op, rank, why)
         if why:
             self.refused[rank] = why
-        return await spawn(spec, env), "new"
+        # It outlives this router (a restarted one adopts it), never the graph (die_with_graph).
+        return await spawn(spec, env, with_parent=False), "new"
 
     async def _restore(self, rank: int, spec: ProcessSpec, env: dict[str, str], snap) -> Child:
         """Restore a copy of the snapshot's worker in its own PID namespace, and tell it through
@@ -257,11 +269,25 @@ class LocalProvider:
 
     def alive(self, rank: int) -> bool | None:
         child = self.procs.get(rank)
-        return None if child is None else child.alive()
+        if child is not None:
+            return child.alive()
+        return None if rank not in self.adopted else not _gone(self.adopted[rank])
+
+    def adopt(self, rank: int, pid: int, joiner: bool, parked: bool) -> None:
+        if joiner:
+            self.adopted[rank] = pid
+        if parked:
+            # A parked rank was checkpointed if parked ranks are (the same configuration).
+            self.parked[rank] = (pid, self.checkpoints_parked)
 
     async def release(self, rank: int, op: str, graceful: bool = True) -> None:
         pid, _ = self.parked.pop(rank, (self.restored.pop(rank, None), False))
         child = self.procs.pop(rank, None)
+        adopted = self.adopted.pop(rank, None)
+        if adopted is not None:
+            code = await _stop(adopted, graceful)
+            log.info("[op %s] Worker.%d (pid %d, adopted) is gone (%s)", op, rank, adopted, code)
+            return
         if child is None:
             if pid is not None and not graceful:  # a parked rank that `dynamo serve` started
                 os.kill(pid, signal.SIGTERM)
@@ -285,8 +311,9 @@ class LocalProvider:
             return
         self.parked.pop(rank, None)
         self.restored.pop(rank, None)
-        # A rank `dynamo serve` started: kill the pid if it is still that rank's worker (a pid
-        # is reused only after its process was reaped).
+        self.adopted.pop(rank, None)
+        # A rank `dynamo serve` or an earlier router started: kill the pid if it is still that
+        # rank's worker (a pid is reused only after its process was reaped).
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -297,4 +324,33 @@ class LocalProvider:
             log.warning("[op %s] Worker.%d (pid %d) fenced: SIGKILL", op, rank, pid)
 
     async def close(self) -> None:
-        await asyncio.gather(*(self.release(r, "shutdown", graceful=False) for r in list(self.procs)))
+        ranks = set(self.procs) | set(self.adopted)
+        await asyncio.gather(*(self.release(r, "shutdown", graceful=False) for r in sorted(ranks)))
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (a zombie counts: whoever reaps it, it runs no more)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] in "ZX"
+    except (OSError, IndexError):
+        return True
+
+
+async def _stop(pid: int, graceful: bool) -> str:
+    """Make sure a process this provider did not start is gone: wait (`graceful`), then SIGTERM,
+    then SIGKILL; which of these ended it."""
+    steps = [("exited", None, 10.0)] if graceful else []
+    for what, sig, wait in steps + [("SIGTERM", signal.SIGTERM, 10.0), ("SIGKILL", signal.SIGKILL, 5.0)]:
+        if sig is not None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return what
+        deadline = asyncio.get_running_loop().time() + wait
+        while not _gone(pid):
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            return what
+    return "still running"

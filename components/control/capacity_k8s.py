@@ -165,6 +165,14 @@ class KubernetesProvider:
             return None
         return self._phase.get(rank) not in ("Failed", "Gone")
 
+    def adopt(self, rank: int, pid: int, joiner: bool, parked: bool) -> None:
+        # Pods outlive any router; a joiner's pod is this provider's to release again.
+        if joiner:
+            self.held.add(rank)
+            self._phase[rank] = "Running"
+            if self._watch is None:
+                self._watch = asyncio.create_task(self._watch_pods())
+
     async def release(self, rank: int, op: str, graceful: bool = True) -> None:
         self.held.discard(rank)
         self._phase.pop(rank, None)

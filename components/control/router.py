@@ -4,6 +4,10 @@ At start it forms the first group from the worker ranks `dp_size` says: it learn
 communicator metadata, connects every rank to every other, installs epoch 1 with a balanced
 expert placement, starts the ranks stepping and makes them routable. The frontend never talks
 to the router: what the frontend may route to is the set of routable worker instances.
+
+It keeps no state the ranks do not hold: `dynamo serve` restarts it when it dies, and a restarted
+router finds the ranks serving and adopts what they serve (`RouterService.adopt`); requests flow
+on meanwhile, since they never pass through it.
 """
 
 from __future__ import annotations
@@ -23,12 +27,17 @@ from components.control.capacity import CapacityProvider, LocalProvider
 from components.control.scaling import Scaler
 from components.graph.component import Component, component_config, load_context
 from components.protocol.config import RouterConfig, WorkerConfig
+from components.protocol.lifecycle import RankState
 from components.protocol.messages import (
     Configure,
     Connect,
     ControlReply,
     Describe,
+    Disconnect,
+    EndExport,
+    Exit,
     LoadExperts,
+    Pause,
     RankStatus,
     Resume,
     SetRoutable,
@@ -64,7 +73,8 @@ class Router(Component):
                 "worker whose weights are not in the VMM arena holds them all, and one whose "
                 "memory was exported for CUDA IPC cannot be restored"
             )
-        return super().processes(config, ctx)
+        # Restarted when it dies: the ranks serve on meanwhile, and it adopts what they serve.
+        return [msgspec.structs.replace(s, restart=True) for s in super().processes(config, ctx)]
 
 
 class ControlError(RuntimeError):
@@ -88,6 +98,7 @@ class ElasticEPBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 MAX_BODY_BYTES = 64 << 10
+ADOPT_SETTLE_S = 1.0
 MAX_JSON_DEPTH = 8
 
 
@@ -160,24 +171,10 @@ class RouterService:
     ) -> None:
         """Wait until every rank in `ranks` registered, and learn which instance is which rank.
         Fails early when the provider reports one of them dead."""
-        if self.client is None:
-            self.client = await self.rt.endpoint(f"{self.ctx.namespace}.worker.control").client()
         timeout = timeout or self.cfg.bootstrap_timeout_s
         deadline = time.monotonic() + timeout
         while True:
-            for iid in self.client.instance_ids():
-                if iid not in self.instances.values():
-                    try:
-                        stream = await self.client.direct(encode(Describe()), iid)
-                        async for item in stream:
-                            st = decode_reply(item.data()).status
-                    except Exception as e:  # a stale entry of a rank that just went away
-                        log.debug("instance %x did not describe itself: %s", iid, e)
-                        continue
-                    self.instances[st.rank] = iid
-                    self.statuses[st.rank] = st
-                    self.last_seen[st.rank] = time.monotonic()
-                    log.info("found rank %d (instance %x, %s)", st.rank, iid, st.state)
+            await self.scan()
             missing = [r for r in ranks if r not in self.instances]
             if not missing:
                 return
@@ -187,6 +184,29 @@ class RouterService:
             if time.monotonic() > deadline:
                 raise ControlError(f"ranks {missing} did not appear within {timeout:.0f} s")
             await asyncio.sleep(0.1)
+
+    async def scan(self) -> None:
+        """Ask every registered instance not yet known which rank it is."""
+        if self.client is None:
+            self.client = await self.rt.endpoint(f"{self.ctx.namespace}.worker.control").client()
+        for iid in self.client.instance_ids():
+            if iid in self.instances.values():
+                continue
+            try:
+                st = await asyncio.wait_for(self._describe(iid), self.cfg.rank_timeout_s)
+            except Exception as e:  # a stale entry of a rank that just went away, or a stalled one
+                log.debug("instance %x did not describe itself: %s", iid, e or type(e).__name__)
+                continue
+            self.instances[st.rank] = iid
+            self.statuses[st.rank] = st
+            self.last_seen[st.rank] = time.monotonic()
+            log.info("found rank %d (instance %x, %s, epoch %d)", st.rank, iid, st.state, st.epoch)
+
+    async def _describe(self, iid: int) -> RankStatus:
+        stream = await self.client.direct(encode(Describe()), iid)
+        async for item in stream:
+            return decode_reply(item.data()).status
+        raise ControlError(f"instance {iid:x} did not reply")
 
     def forget(self, rank: int) -> None:
         self.instances.pop(rank, None)
@@ -207,6 +227,21 @@ class RouterService:
             total = rows if total is None else [[a + b for a, b in zip(x, y)] for x, y in zip(total, rows)]
         return total or []
 
+    async def start(self, provider: CapacityProvider) -> None:
+        """Form the first group, or, when the ranks already serve one (this router was restarted),
+        adopt it."""
+        while not self.statuses:
+            await self.scan()
+            await asyncio.sleep(0.1)
+        # Registrations appear together, but a stalled rank's describe takes its timeout: give
+        # every instance the chance to answer before judging what the ranks serve.
+        await asyncio.sleep(ADOPT_SETTLE_S)
+        await self.scan()
+        if any(st.epoch > 0 for st in self.statuses.values()):
+            await self.adopt(provider)
+        else:
+            await self.bootstrap()
+
     async def bootstrap(self) -> None:
         ranks = list(range(self.wcfg.dp_size))
         await self.discover(ranks)
@@ -225,6 +260,90 @@ class RouterService:
         self._committed = Committed(epoch=1, active=ranks, placement=placement)
         log.info("epoch 1: ranks %s active and routable (%.1f s after start)", ranks, time.monotonic() - self.started)
         self.ready.set()
+
+    async def adopt(self, provider: CapacityProvider) -> None:
+        """After a restart: rebuild the topology from the ranks' own state and take it over, with
+        the ranks serving throughout. The highest epoch a serving rank reports wins (a commit the
+        last router left half done is completed under a new epoch); ranks it lists that cannot be
+        found are failed over; parked ranks are parked capacity again; a joiner or leaver of the
+        operation the last router left unfinished is told to exit (or stopped), as an abort would."""
+        t0 = time.monotonic()
+        serving = [st for st in self.statuses.values() if st.placement is not None and st.rank in st.active]
+        if not serving:
+            raise ControlError(f"no rank serves a group: {sorted((r, s.state) for r, s in self.statuses.items())}")
+        top = max(serving, key=lambda st: st.epoch)
+        epoch, active, placement = top.epoch, sorted(top.active), top.placement
+        try:
+            await self.discover(active, provider, self.cfg.rank_timeout_s)
+        except ControlError as e:
+            log.warning("adopting epoch %d: %s", epoch, e)
+        missing = [r for r in active if r not in self.statuses]
+        self.num_experts = top.num_experts
+        for r, st in sorted(self.statuses.items()):
+            provider.adopt(r, st.pid, st.joiner, parked=st.state is RankState.PARKED and r not in active)
+        # The last router's operation, if one ran: its joiners and leavers go; no export of
+        # weights stays open.
+        stray = [r for r, st in self.statuses.items() if r not in active and st.state is not RankState.PARKED]
+        serving_ranks = [r for r in active if r in self.statuses]
+        if stray:
+            await self.send_all(serving_ranks, lambda r: Disconnect(ranks=stray))
+        await asyncio.gather(*(self._retire(r, provider) for r in stray))
+        await self.send_all(serving_ranks, lambda r: EndExport())
+        consistent = all(
+            (st := self.statuses[r]).epoch == epoch
+            and sorted(st.active) == active
+            and st.placement == placement
+            and not st.paused
+            and st.state is RankState.ACTIVE
+            for r in serving_ranks
+        )
+        if not consistent and not missing:  # a failover re-commits anyway
+            epoch += 1
+            log.warning("ranks %s disagree on the topology; committing it again as epoch %d", active, epoch)
+            await self.send_all(active, lambda r: Pause())
+            await self.send_all(active, lambda r: Configure(epoch=epoch, active=active, placement=placement))
+            await self.send_all(active, lambda r: Resume())
+        hidden = [r for r in serving_ranks if not self.statuses[r].routable]
+        await self.send_all(hidden, lambda r: SetRoutable(routable=True))
+        self._committed = Committed(epoch=epoch, active=active, placement=placement)
+        self.load_base = {r: self.statuses[r].load for r in serving_ranks}
+        parked = sorted(r for r, st in self.statuses.items() if st.state is RankState.PARKED)
+        log.info(
+            "adopted epoch %d: ranks %s active%s, %s parked, %s stopped (%.1f s)",
+            epoch,
+            active,
+            f" ({missing} not found: failing them over)" if missing else "",
+            parked or "none",
+            sorted(stray) or "none",
+            time.monotonic() - t0,
+        )
+        self.ready.set()
+        if missing:
+            self.scaler.fail(missing)
+
+    async def _retire(self, rank: int, provider: CapacityProvider) -> None:
+        """A rank of an unfinished operation: one that may still relay handed-over streams
+        (leaving) or was connected (staged) exits itself; any other is killed (fenced)."""
+        st = self.statuses[rank]
+        graceful = st.state in (RankState.STAGED, RankState.LEAVING)
+        if graceful:
+            try:
+                await self.send(rank, Exit(op="adopt"))
+            except ControlError as e:
+                log.warning("rank %d did not exit: %s", rank, e)
+                graceful = False
+        log.info(
+            "rank %d (%s, epoch %d) was in the last router's operation: %s",
+            rank,
+            st.state,
+            st.epoch,
+            "exiting" if graceful else "stopping it",
+        )
+        if not graceful:  # it holds nothing yet: no reason to wait for it
+            await provider.fence(rank, st.pid, "adopt")
+        elif st.joiner:
+            await provider.release(rank, "adopt")
+        self.forget(rank)
 
     async def refresh(self, provider: CapacityProvider) -> None:
         """Every status_interval_s: ask every rank for its status (its heartbeat), and fail over
@@ -542,7 +661,7 @@ async def serve() -> None:
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     log.info("control API on http://%s:%d", cfg.host, cfg.port)
-    boot = asyncio.create_task(svc.bootstrap())
+    boot = asyncio.create_task(svc.start(provider))
     refresh = asyncio.create_task(svc.refresh(provider))
     scaler = asyncio.create_task(svc.scaler.run(svc.ready))
     waiter = asyncio.create_task(stop.wait())

@@ -174,6 +174,7 @@ class EngineRank:
             self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs)
         self.sched = Scheduler(cfg.max_seqs, self.max_len, cfg.max_batched_tokens, mc.eos_token_ids)
         self.epoch = 0
+        self.placement: Placement | None = None  # the one configured with `epoch`
         self.steps = 0  # forward steps taken (dummy steps included)
         self.requests_total = 0  # requests accepted by this rank
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -209,7 +210,7 @@ class EngineRank:
         paused. Slot contents are not touched: they were loaded or pulled before the commit."""
         self.comm.set_active(active, epoch)
         self.expert_map.install(placement)
-        self.epoch = epoch
+        self.epoch, self.placement = epoch, placement
         self.ep_failed_peers = []
 
     def warmup(self, placement: Placement, recapture: bool = False) -> float:

@@ -16,6 +16,9 @@ import msgspec
 
 GRAPH_ENV = "ELASTIC_EP_GRAPH"
 COMPONENT_ENV = "ELASTIC_EP_COMPONENT"
+# The pid of `dynamo serve`: a process that outlives the component that started it (a joiner
+# the router started, adopted by the router's next incarnation) still dies with the graph.
+GRAPH_PID_ENV = "ELASTIC_EP_GRAPH_PID"
 # A process that exits with this code cannot start as configured (a bad model, a length the model
 # does not have): retrying or carrying on without it cannot help, so `dynamo serve` stops the
 # graph at once with the process's last log line, critical or not.
@@ -31,6 +34,10 @@ class ProcessSpec(msgspec.Struct):
     # A critical process dying takes the whole graph down; a non-critical one (a worker rank)
     # is only reported, because the router copes with lost ranks.
     critical: bool = True
+    # Started again when it dies (before the graph stops for it): a process that holds no state
+    # the graph cannot rebuild, such as the router (it adopts the topology the ranks serve). One
+    # that keeps dying soon after its start still stops the graph, with its reason.
+    restart: bool = False
 
 
 class GraphContext(msgspec.Struct):

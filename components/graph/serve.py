@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -26,6 +27,7 @@ from components.graph.component import (
     COMPONENT_ENV,
     EXIT_CANNOT_START,
     GRAPH_ENV,
+    GRAPH_PID_ENV,
     Component,
     GraphContext,
     ProcessSpec,
@@ -36,6 +38,10 @@ from components.graph.spawn import Child, spawn
 
 USAGE_ERROR = 2
 STOP_GRACE_S = 10.0
+# A restartable process that dies this soon after its start this many times in a row is not
+# restarted again: it cannot run as configured (a port taken, a broken install).
+QUICK_DEATH_S = 30.0
+MAX_QUICK_DEATHS = 3
 
 OVERRIDES_HELP = """\
 component overrides:
@@ -48,8 +54,9 @@ config file (-f): YAML mapping of component name -> {field: value}, e.g.
   Frontend: {port: 8000}
   Worker: {model: /models/qwen-moe, device: cuda}
 
-exit codes: 0 after a requested stop (Ctrl-C / SIGTERM), 1 when a critical component dies,
-2 on a usage or config error (nothing is started).
+exit codes: 0 after a requested stop (Ctrl-C / SIGTERM), 1 when a critical component dies (a
+restartable one, such as the router, is started again unless it keeps dying within 30 s of its
+start), 2 on a usage or config error (nothing is started).
 """
 
 
@@ -304,16 +311,22 @@ class Supervisor:
         self.force = False
         self._tasks: set[asyncio.Task[None]] = set()  # the loop only keeps weak references
 
-    async def start(self, component: str, spec: ProcessSpec) -> None:
+    async def start(self, component: str, spec: ProcessSpec, quick_deaths: int = 0) -> None:
+        """Start one process and watch it; `quick_deaths`: how many times in a row it died soon
+        after a start (restartable processes)."""
         child = await spawn(spec, {**self.base_env, COMPONENT_ENV: component})
+        # A dead child stays listed: shutdown still signals its process group, where what it
+        # started may live on.
         self.children.append(child)
-        watch = asyncio.create_task(self._watch(child))
+        watch = asyncio.create_task(self._watch(child, component, time.monotonic(), quick_deaths))
         self._tasks.add(watch)
         watch.add_done_callback(self._tasks.discard)
-        _err(f"started {spec.label} (pid {child.pid}{'' if spec.critical else ', non-critical'})")
+        kind = ", restartable" if spec.restart else "" if spec.critical else ", non-critical"
+        _err(f"started {spec.label} (pid {child.pid}{kind})")
 
-    async def _watch(self, child: Child) -> None:
+    async def _watch(self, child: Child, component: str, started: float, quick_deaths: int) -> None:
         rc = await child.proc.wait()
+        quick_deaths = quick_deaths + 1 if time.monotonic() - started < QUICK_DEATH_S else 0
         try:
             await asyncio.wait_for(asyncio.shield(child.pump), 2.0)
         except TimeoutError:
@@ -327,6 +340,19 @@ class Supervisor:
             reason = said[-1].split("cannot start: ", 1)[1] if said else "(no reason given)"
             _err(f"{child.label} cannot start: {reason}; stopping the graph")
             self.request_stop(f"{child.label} cannot start", 1)
+        elif child.spec.restart and quick_deaths < MAX_QUICK_DEATHS:
+            _err(f"{what}; restarting it. Last log lines:\n{tail}")
+            try:
+                await self.start(component, child.spec, quick_deaths)
+            except OSError as e:
+                _err(f"cannot restart {child.label}: {e}; stopping the graph")
+                self.request_stop(f"{child.label} could not be restarted", 1)
+        elif child.spec.restart:
+            _err(
+                f"{what}, {quick_deaths} times in a row within {QUICK_DEATH_S:.0f} s of its start; "
+                f"not restarting it again, stopping the graph. Last log lines:\n{tail}"
+            )
+            self.request_stop(f"{child.label} keeps dying", 1)
         elif child.spec.critical:
             _err(f"{what}; it is critical, stopping the graph. Last log lines:\n{tail}")
             self.request_stop(f"{child.label} died", 1)
@@ -376,6 +402,7 @@ async def run_graph(ctx: GraphContext, plan: list[tuple[str, ProcessSpec]]) -> i
         **os.environ,
         **runtime_env(ctx),
         GRAPH_ENV: encode_context(ctx),
+        GRAPH_PID_ENV: str(os.getpid()),
         "PYTHONPATH": pythonpath,
         "PYTHONUNBUFFERED": "1",
     }

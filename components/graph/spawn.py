@@ -1,7 +1,9 @@
 """Starting a component's process: the one place that does it, for `dynamo serve` and for the
 joining ranks the router starts. Each process leads its own process group (a signal reaches its
 whole tree, a Ctrl-C in the terminal does not), dies with its parent (the kernel SIGTERMs it when
-the process that started it is gone, even by SIGKILL), and has its output prefixed with its label."""
+the process that started it is gone, even by SIGKILL) unless it is to outlive it (a joiner the
+router started: it dies with the graph instead, `GRAPH_PID_ENV`), and has its output prefixed with
+its label."""
 
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
-async def spawn(spec: ProcessSpec, env: dict[str, str]) -> Child:
+async def spawn(spec: ProcessSpec, env: dict[str, str], with_parent: bool = True) -> Child:
     """Start `spec` with `env` (its own `spec.env` on top); OSError when it cannot be started."""
     proc = await asyncio.create_subprocess_exec(
         *spec.argv,
@@ -108,7 +110,7 @@ async def spawn(spec: ProcessSpec, env: dict[str, str]) -> Child:
         stderr=asyncio.subprocess.STDOUT,
         env={**env, **spec.env},
         start_new_session=True,
-        preexec_fn=die_with_parent,
+        preexec_fn=die_with_parent if with_parent else None,
         limit=1 << 20,
     )
     return Child(spec, proc)

@@ -39,9 +39,17 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # time slices), else "nixl".
     ep_transport: str = "auto"
 
+    # The network devices the ranks' NIXL agents may use (UCX_NET_DEVICES), which are also the
+    # interfaces their UCX listeners bind: "lo" keeps the data plane on this host, unreachable
+    # from others. A deployment across hosts names its NICs ("mlx5_0:1,eth0") or "all"; CUDA and
+    # shared-memory transports on one host are not network devices and work either way.
+    net_devices: str = "lo"
+
     def __post_init__(self) -> None:
         if self.ep_transport not in EP_TRANSPORTS:
             raise ValueError(f"ep_transport must be one of {', '.join(EP_TRANSPORTS)}")
+        if not re.fullmatch(r"[A-Za-z0-9_.:\-]+(,[A-Za-z0-9_.:\-]+)*", self.net_devices):
+            raise ValueError('net_devices must be "all" or a comma-separated list of devices, e.g. "lo" or "mlx5_0:1"')
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -165,6 +165,10 @@ class RankStatus(RankSummary, kw_only=True):
     connected: list[int]
     load: list[list[int]]  # tokens routed to each expert, per MoE layer, since the last rebalance
     ep_failed_peers: list[int] = []  # peers an EP collective failed on since the last Configure
+    # What a restarted router rebuilds the topology from: the placement configured with `epoch`,
+    # and whether a router started this process (a joiner) or `dynamo serve` did.
+    placement: Placement | None = None
+    joiner: bool = False
 
 
 class ControlReply(msgspec.Struct):

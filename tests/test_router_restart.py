@@ -1,0 +1,147 @@
+"""The router SIGKILLed under streaming load: `dynamo serve` restarts it, requests flow on (they
+never pass through it), and the new router adopts what the ranks serve: the same epoch, active
+set and processes, the joiners the old router started still serving, its parked rank parked
+capacity again; the next scale-up takes that parked rank back. Killed in the middle of a commit,
+the next router completes it under a new epoch."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness.server import Server, Traffic, alive, engine_reference, scale
+
+MAX_TOKENS = 24
+PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server(
+        ["--Worker.max_ranks=4", "--Worker.dp_size=2", "--Planner.enabled=false", "--Router.allow_fault_injection=true"]
+    )
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def router_pids(srv: Server) -> list[int]:
+    return [int(p) for p in re.findall(r"started Router \(pid (\d+), restartable\)", srv.output)]
+
+
+def wait_router_back(srv: Server, old: int, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = router_pids(srv)
+        if pids[-1] != old:
+            try:
+                if srv.control("GET", "/health").status_code == 200:
+                    return pids[-1]
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    raise AssertionError(f"the router did not come back within {timeout} s:\n{srv.tail(80)}")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return engine_reference(PROMPTS, MAX_TOKENS)
+
+
+def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(server, reference):
+    assert scale(server, 4)["phase"] == "done"  # ranks 2 and 3: joiners this router started
+    assert scale(server, 3)["phase"] == "done"  # rank 3 parked
+    before = server.topology()
+    assert before["active"] == [0, 1, 2]
+    pids = {r["rank"]: r["pid"] for r in before["ranks"]}
+    old = router_pids(server)[-1]
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        time.sleep(2.0)
+        served_before = len(traffic.results)
+        os.kill(old, signal.SIGKILL)
+        new = wait_router_back(server, old)
+        time.sleep(2.0)
+    assert new != old and not alive(old)
+    assert f"adopted epoch {before['epoch']}: ranks [0, 1, 2] active, [3] parked, none stopped" in server.output
+    after = server.topology()
+    assert (after["epoch"], after["active"]) == (before["epoch"], before["active"])
+    ranks = {r["rank"]: r for r in after["ranks"]}
+    assert {r: v["pid"] for r, v in ranks.items()} == pids  # no rank was replaced, none orphaned
+    assert [ranks[r]["state"] for r in range(4)] == ["ACTIVE", "ACTIVE", "ACTIVE", "PARKED"]
+    assert all(ranks[r]["routable"] for r in range(3))
+    # Requests kept flowing while no router ran, and every one came back whole and exact.
+    assert traffic.errors == []
+    assert len(traffic.results) > served_before + 6
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    # Not wedged: the next scale-up takes the adopted parked rank back.
+    up = scale(server, 4)
+    assert up["phase"] == "done" and up["error"] == "", up
+    assert up["joined_from"] == {"3": "parked"}
+    assert server.topology()["active"] == [0, 1, 2, 3]
+
+
+def listening(pid: int) -> list[str]:
+    """The local addresses (hex ip:port, as /proc/net/tcp writes them) the process listens on."""
+    fds = Path(f"/proc/{pid}/fd")
+    inodes = set()
+    for fd in fds.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                found.append(f[1])
+    return found
+
+
+LOOPBACK = ("0100007F", "00000000000000000000000001000000")  # 127.0.0.1, ::1
+
+
+def test_the_ranks_data_plane_listens_on_loopback_only(server):
+    """UCX's TCP transport listens on every network device it may use; Worker.net_devices ("lo"
+    by default) keeps those listeners, the ranks' NIXL data plane, off other interfaces."""
+    for r in server.topology()["ranks"]:
+        addrs = listening(r["pid"])
+        assert addrs, r["rank"]
+        assert [a for a in addrs if a.split(":")[0] not in LOOPBACK] == [], (r["rank"], addrs)
+
+
+def test_a_commit_the_killed_router_left_half_done_is_completed_by_the_next(server, reference):
+    """The joiner stalls in Configure (injected) while the serving ranks are paused and already
+    configured for the new epoch: the router dies there. The next one finds the ranks on two
+    epochs, paused, the joiner staged, and commits the newest topology again under a new epoch."""
+    assert scale(server, 3)["phase"] == "done"  # rank 3 parks
+    epoch = server.topology()["epoch"]
+    r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_configure=6"})
+    assert r.status_code == 202, r.text
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        deadline = time.monotonic() + 120
+        while (server.topology()["operation"] or {}).get("phase") != "committing":
+            assert time.monotonic() < deadline, server.tail(60)
+            time.sleep(0.05)
+        time.sleep(1.0)  # Configure reached the serving ranks; the joiner stalls in its own
+        old = router_pids(server)[-1]
+        os.kill(old, signal.SIGKILL)
+        wait_router_back(server, old)
+        time.sleep(2.0)
+    assert f"committing it again as epoch {epoch + 2}" in server.output, server.tail(80)
+    after = server.topology()
+    assert (after["epoch"], after["active"]) == (epoch + 2, [0, 1, 2, 3])
+    ranks = {r["rank"]: r for r in after["ranks"]}
+    assert all(ranks[r]["state"] == "ACTIVE" and ranks[r]["routable"] and not ranks[r]["paused"] for r in range(4))
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(server, 3)["phase"] == "done"
