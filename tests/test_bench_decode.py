@@ -51,5 +51,9 @@ def test_a_ci_size_run_on_cpu(tmp_path):
     rows = result["results"]
     assert [(r["ranks"], r["seqs_per_rank"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     for r in rows:
-        assert r["decode_tokens"] == 2 * r["ranks"] * r["seqs_per_rank"]  # gen 3: one prefill token, then 2
+        # gen 3: one prefill token, then 2. The decode phase starts once every sequence has its
+        # first token; a sequence whose prompt arrived a step earlier than another's made its
+        # second token in that mixed step, which is counted in neither phase.
+        seqs = r["ranks"] * r["seqs_per_rank"]
+        assert seqs <= r["decode_tokens"] <= 2 * seqs
         assert r["decode_tok_s_total"] > 0 and r["floor_step_ms"] > 0 and r["devices"] == ["cpu"]
