@@ -152,12 +152,15 @@ class PeerWindows:
             self.box.alloc(s, t) for s, t in specs
         )
         self.arrive.zero_()
-        self._off = {
-            n: t.data_ptr() - self.box.ptr
-            for n, t in (("rows", self.recv_rows), ("slots", self.recv_slots), ("counts", self.recv_counts))
+        # Where each part sits in a mailbox: the same in every peer's (same layout).
+        parts = {
+            "rows": self.recv_rows,
+            "slots": self.recv_slots,
+            "counts": self.recv_counts,
+            "ret": self.ret_rows,
+            "arrive": self.arrive,
         }
-        self._off["ret"] = self.ret_rows.data_ptr() - self.box.ptr
-        self._off["arrive"] = self.arrive.data_ptr() - self.box.ptr
+        self._off = {n: t.data_ptr() - self.box.ptr for n, t in parts.items()}
         self.layout = (R, C, W, self.box.nbytes)
         self.exporter = VmmExporter(self.box)
         self.windows = VmmWindow(R, self.box.nbytes, dev)
@@ -329,15 +332,15 @@ class WindowCommunicator:
     def __init__(self, host, windows: PeerWindows):
         self.host, self.windows = host, windows
         self.rank, self.max_ranks, self.capacity_bytes = host.rank, host.max_ranks, host.capacity_bytes
-        self._metadata: bytes | None = None
+        self._metadata = (b"", b"")  # (the host metadata it was built from, ours)
 
     def metadata(self) -> bytes:
         host = self.host.metadata()
         if not host:  # suspended
             return b""
-        if self._metadata is None or msgspec.msgpack.decode(self._metadata, type=WindowPeerMetadata).host != host:
-            self._metadata = msgspec.msgpack.encode(WindowPeerMetadata(host, self.windows.metadata()))
-        return self._metadata
+        if self._metadata[0] != host:  # a resumed host agent has new metadata
+            self._metadata = (host, msgspec.msgpack.encode(WindowPeerMetadata(host, self.windows.metadata())))
+        return self._metadata[1]
 
     def connect(self, peers, activate: bool = False) -> None:
         decoded = {}

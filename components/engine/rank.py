@@ -120,11 +120,13 @@ def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, timeout_s: float =
 
 
 def ep_communicator(cfg: RankConfig, device: torch.device, mc, dtype: torch.dtype, capacity_bytes: int):
-    """NIXL for the host-side collectives; on CUDA (unless `ep_transport` is "nixl") the MoE
-    exchange through same-node peer windows as well."""
+    """NIXL for the host-side collectives; on CUDA with `ep_transport` "window", or "auto" where
+    no two of `max_ranks` ranks share a GPU, the MoE exchange through same-node peer windows too."""
     host = nixl_comm(cfg.rank, cfg.max_ranks, capacity_bytes, cfg.ep_timeout_s)
-    shared_gpus = cfg.max_ranks > torch.cuda.device_count() if device.type == "cuda" else True
-    if device.type != "cuda" or cfg.ep_transport == "nixl" or (cfg.ep_transport == "auto" and shared_gpus):
+    if device.type != "cuda":
+        return host
+    own_gpus = cfg.max_ranks <= torch.cuda.device_count()
+    if not (cfg.ep_transport == "window" or (cfg.ep_transport == "auto" and own_gpus)):
         return host
     from components.engine.ep_window import PeerWindows, WindowCommunicator
     from components.engine.same_node import node_id
