@@ -1,4 +1,5 @@
-"""bench.decode: the weight floor it reports beside the measurements, and a CI-size run on CPU."""
+"""bench.decode: the weight floor it reports beside the measurements, and CI-size runs of it and
+bench.step on CPU."""
 
 from __future__ import annotations
 
@@ -57,3 +58,20 @@ def test_a_ci_size_run_on_cpu(tmp_path):
         seqs = r["ranks"] * r["seqs_per_rank"]
         assert seqs <= r["decode_tokens"] <= 2 * seqs
         assert r["decode_tok_s_total"] > 0 and r["floor_step_ms"] > 0 and r["devices"] == ["cpu"]
+
+
+def test_step_bench_times_each_phase_of_the_real_step_loop(tmp_path):
+    """bench.step at CI size on the CPU: every decode step is timed phase by phase, the phases fit
+    in the step, and the JSON holds one row per batch size."""
+    from bench import step
+
+    out = tmp_path / "step.json"
+    assert (
+        step.main(["--device", "cpu", "--batch", "1,3", "--prompt-len", "4", "--gen-len", "5", "--out", str(out)]) == 0
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["decode_steps"] >= 3  # 5 tokens: the first comes from the prefill step
+        assert sum(r["phase_ms_p50"].values()) <= r["step_ms_p50"] * 1.5
+        assert r["graph_ms"] is None  # no graphs on the CPU

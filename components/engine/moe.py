@@ -101,21 +101,13 @@ def _unpack(buf: torch.Tensor, hidden: int, dtype: torch.dtype, src: int) -> tup
 
 
 def _grouped_mm_runs(w: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm takes these [S, I, H] expert weights and [N, H] rows without a
-    host sync. Its CUDA kernel (CUTLASS) covers bf16 on sm90 and sm100 only; any other dtype or GPU
-    goes to a fallback that copies the group ends to the host. Every operand's row stride must be
-    a multiple of 16 bytes (H for the gate/up views, I for the down view and the rows)."""
+    """Whether torch._grouped_mm takes these [S, I, H] expert weights and [N, H] rows on the CPU
+    (CUDA has expert_gemm): every operand's row stride must be a multiple of 16 bytes (H for the
+    gate/up views, I for the down view and the rows)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
     S, I, H = w.shape
-    if (H * w.element_size()) % 16 or (I * w.element_size()) % 16:
-        return False
-    if w.device.type == "cpu":
-        return True
-    if w.device.type != "cuda" or w.dtype != torch.bfloat16:
-        return False
-    major, minor = torch.cuda.get_device_capability(w.device)
-    return (major, minor) == (9, 0) or major == 10
+    return (H * w.element_size()) % 16 == 0 and (I * w.element_size()) % 16 == 0
 
 
 class SparseMoE(nn.Module):
@@ -148,14 +140,18 @@ class SparseMoE(nn.Module):
     def experts(self, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The SwiGLU expert of slot `local[i]` applied to row `x[i]`, zeros for rows whose slot
         is out of range (-1 marks padding), without a host sync: the row count can stay fixed, so
-        a graph can capture it. Rows are grouped by slot (a stable sort) and each projection is
-        one grouped GEMM over the groups, then put back in their order."""
+        a graph can capture it. On CUDA the Triton kernels of expert_gemm; on the CPU rows are
+        grouped by slot (a stable sort) and each projection is one grouped GEMM over the groups."""
         S = self.ep.slots_per_rank
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         real = (local >= 0) & (local < S)
         self.ep.rows_computed.add_(real.sum())
         key = torch.where(real, local.long(), S)  # padding sorts behind every group
+        if x.is_cuda:
+            from components.engine.expert_gemm import swiglu_experts
+
+            return swiglu_experts(x, key, self.w_gate, self.w_up, self.w_down)
         if not _grouped_mm_runs(self.w_gate, x):
             return self._experts_per_slot(x, key)
         order = torch.argsort(key, stable=True)
@@ -173,8 +169,7 @@ class SparseMoE(nn.Module):
 
     def _experts_per_slot(self, x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """Every slot over every row, each row keeping its own slot's result: S times the FLOPs of
-        the grouped form, but no host sync (torch's own fallback for _grouped_mm reads the group
-        ends on the host, which a captured graph cannot do)."""
+        the grouped form, for shapes torch._grouped_mm does not take."""
         out = torch.zeros_like(x)
         for s in range(self.ep.slots_per_rank):
             y = (F.silu(x @ self.w_gate[s].T) * (x @ self.w_up[s].T)) @ self.w_down[s].T

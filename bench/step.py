@@ -1,0 +1,233 @@
+"""Where one rank's decode step goes: the engine's whole step, phase by phase, beside the replay of
+its CUDA graph alone and the floor the weight bytes set.
+
+One rank in this process (every expert local, `harness.reference.single_rank`), its real step loop
+running. For each `--batch` size, that many sequences of `--prompt-len` random tokens are submitted
+at once and generate `--gen-len` tokens each (ignore_eos); only steps that decode every sequence
+are kept. The step's phases are timed on the host by wrapping the engine's own methods, so the
+engine code is what a server runs:
+
+  header     the per-step all-to-all of (has_work, wants_pause) among the active ranks
+  schedule   picking the step's sequences (Scheduler.schedule)
+  inputs     the batch's tensors on the device (Scheduler.batch) and the sampling parameters
+  launch     queueing the forward: graph inputs copied in and the graph replayed (or eager kernels)
+  wait       until the device finished the step (EngineRank._settle) and the sampled ids are read
+  update     appending tokens and emitting them (Scheduler.update)
+
+Then `graph ms`: the decode graph of that batch size replayed alone (median of `--replays`, a sync
+around each), and `floor ms`: every weight byte read once at `--hbm-gbps` (a decode batch of 32 or
+more touches every expert). The step's host work is what the step adds beyond the graph.
+
+    python -m bench.step --model DIR --batch 1,8,32,64          # cuda when there is one
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+PHASES = ("header", "schedule", "inputs", "launch", "wait", "update")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.step",
+        description="One rank's decode step, phase by phase, beside its CUDA graph alone and the weight-bytes "
+        "floor. Prints a table and writes JSON.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--model", default=None, help="checkpoint directory; default: the built-in tiny model")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="", help="model dtype; '': the checkpoint's")
+    ap.add_argument("--batch", default="1,8,32,64", help="comma-separated decode batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence")
+    ap.add_argument("--gen-len", type=int, default=64, help="tokens generated per sequence")
+    ap.add_argument("--replays", type=int, default=50, help="graph replays timed per batch size")
+    ap.add_argument("--hbm-gbps", type=float, default=4000.0, help="memory bandwidth of the floor (H200: 4000)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/step.json"), help="JSON results file")
+    args = ap.parse_args(argv)
+    try:
+        args.batch = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--batch must be comma-separated integers, got {args.batch!r}")
+    if not args.batch or min(args.batch) < 1 or args.prompt_len < 1 or args.gen_len < 2 or args.replays < 1:
+        ap.error("--batch values, --prompt-len and --replays must be >= 1, --gen-len >= 2")
+    return args
+
+
+class PhaseClock:
+    """Wraps the engine's methods (instance attributes) to time each phase of every step."""
+
+    def __init__(self, eng):
+        self.eng, self.steps = eng, []
+        self._cur: dict[str, float] | None = None
+        step, sched = eng._step, eng.sched
+        schedule = sched.schedule
+
+        def timed_step(has_work):
+            self._cur = defaultdict(float)
+            t0 = time.perf_counter()
+            step(has_work)
+            total = time.perf_counter() - t0
+            cur, self._cur = self._cur, None
+            if cur.get("decode"):
+                self.steps.append({"total": total, **{p: cur[p] for p in PHASES}})
+
+        def timed_schedule():
+            work = self._time("schedule", schedule)
+            if self._cur is not None:
+                self._cur["decode"] = float(bool(work) and all(n == 1 for _, n in work))
+            return work
+
+        eng._step = timed_step
+        sched.schedule = timed_schedule
+        self._wrap(eng.comm, "all_to_all", "header", first_only=True)
+        self._wrap(sched, "batch", "inputs")
+        self._wrap(eng, "_sample_params", "inputs")
+        if eng.graphs is not None:
+            self._wrap(eng.graphs, "run", "launch")
+        self._wrap(eng.model, "forward", "launch")
+        self._wrap(eng, "_settle", "wait")
+        self._wrap(sched, "update", "update")
+
+    def _time(self, phase, fn, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            if self._cur is not None:
+                self._cur[phase] += time.perf_counter() - t0
+
+    def _wrap(self, obj, name, phase, first_only=False):
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            if first_only and self._cur is not None and self._cur.get(phase):
+                return fn(*a, **kw)  # the MoE exchange of an eager step, not the header
+            return self._time(phase, fn, *a, **kw)
+
+        setattr(obj, name, timed)
+
+
+def graph_ms(eng, batch: int, replays: int) -> float | None:
+    """The decode graph of `batch` replayed alone: median ms, a sync around each replay."""
+    if eng.graphs is None or batch > eng.graphs.sizes[-1]:
+        return None
+    from components.engine.layers import ForwardBatch
+
+    dev, slots = eng.device, list(range(batch))
+    fb = ForwardBatch(
+        input_ids=torch.ones(batch, dtype=torch.int64, device=dev),
+        positions=torch.full((batch,), 100, dtype=torch.int64, device=dev),
+        token_slots=torch.tensor(slots, device=dev),
+        slots=torch.tensor(slots, device=dev),
+        ctx_lens=torch.full((batch,), 101, dtype=torch.int64, device=dev),
+        last_index=torch.arange(batch, device=dev),
+        q_lens=[1] * batch,
+        ctx_lens_list=[101] * batch,
+        slots_list=slots,
+        kv_len=101,
+    )
+    times = []
+    for _ in range(replays + 3):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        eng.graphs.run(fb)
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:]) * 1e3
+
+
+def weight_bytes(eng) -> int:
+    return sum(p.numel() * p.element_size() for p in eng.model.parameters()) + sum(
+        b.numel() * b.element_size() for _, moe in eng.model.moe_layers for b in (moe.w_gate, moe.w_up, moe.w_down)
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from components.engine.builtin import builtin_model_dir
+    from harness.reference import single_rank, submit_all
+
+    model = args.model or str(builtin_model_dir())
+    top = max(args.batch)
+    sizes = tuple(sorted({*(1, 8, 16, 32, 64), *args.batch} & set(range(1, top + 1)))) if args.device != "cpu" else ()
+    eng = single_rank(
+        model,
+        device=args.device,
+        max_len=args.prompt_len + args.gen_len + 8,
+        max_seqs=top,
+        max_batched_tokens=max(256, args.prompt_len),
+        dtype=args.dtype,
+        cuda_graph_sizes=sizes,
+    )
+    clock = PhaseClock(eng)
+    eng.start()
+    vocab, g = eng.model_config.vocab_size, torch.Generator().manual_seed(0)
+    floor_ms = weight_bytes(eng) / (args.hbm_gbps * 1e9) * 1e3
+    rows = []
+    try:
+        submit_all(eng, [[1, 2, 3]], 4, ignore_eos=True)(600)  # warmup: first kernels, allocator
+        for b in args.batch:
+            prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(b)]
+            clock.steps.clear()
+            t0 = time.perf_counter()
+            submit_all(eng, prompts, args.gen_len, ignore_eos=True)(600)
+            wall = time.perf_counter() - t0
+            full = list(clock.steps)
+            p50 = {k: statistics.median(s[k] for s in full) * 1e3 for k in ("total", *PHASES)}
+            totals = sorted(s["total"] for s in full)
+            gms = eng.call(lambda b=b: graph_ms(eng, b, args.replays)).result(600) if eng.graphs else None
+            rows.append(
+                {
+                    "batch": b,
+                    "decode_steps": len(full),
+                    "step_ms_p50": p50["total"],
+                    "step_ms_p99": totals[min(len(totals) - 1, int(0.99 * len(totals)))] * 1e3,
+                    "phase_ms_p50": {p: p50[p] for p in PHASES},
+                    "graph_ms": gms,
+                    "floor_ms": floor_ms,
+                    "tok_s": b * len(full) / sum(totals) if totals else None,
+                    "wall_s": wall,
+                }
+            )
+    finally:
+        eng.stop()
+    print(table(rows, args))
+    result = {
+        "benchmark": "bench.step",
+        "command": "python -m bench.step " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "model": model,
+        "device": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else platform.processor(),
+        "dtype": str(eng.dtype),
+        "weight_bytes": weight_bytes(eng),
+        "hbm_gbps": args.hbm_gbps,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def table(rows, args) -> str:
+    head = ["batch", "step p50 ms", "step p99 ms", *PHASES, "graph ms", "floor ms", "step/floor", "graph/floor"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        ph, g, f = r["phase_ms_p50"], r["graph_ms"], r["floor_ms"]
+        cells = [str(r["batch"]), f"{r['step_ms_p50']:.2f}", f"{r['step_ms_p99']:.2f}"]
+        cells += [f"{ph[p]:.3f}" for p in PHASES]
+        cells += [f"{g:.2f}" if g else "-", f"{f:.2f}", f"{r['step_ms_p50'] / f:.2f}x", f"{g / f:.2f}x" if g else "-"]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
