@@ -4,13 +4,18 @@ call it, and what a bad request gets."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from components.control.router import ElasticEPBody, RouterService, ScaleBody
+from components.planner.service import parse_prometheus
 from components.protocol.config import RouterConfig, WorkerConfig
-from components.protocol.topology import ScaleMode
+from components.protocol.lifecycle import RankState
+from components.protocol.messages import RankStatus
+from components.protocol.topology import Committed, OpRecord, ScaleMode
 
 AUTH = {"Authorization": "Bearer s3cret"}
 
@@ -33,7 +38,83 @@ def call(requests: list[tuple[str, str, dict]], token: str = "s3cret") -> list[t
 def test_probes_and_scrapers_need_no_token():
     (health, metrics) = call([("GET", "/health", {}), ("GET", "/metrics", {})])
     assert health == (503, '{"status": "starting", "epoch": 0}')  # not 401: the probe sends no token
-    assert metrics[0] == 200 and "elastic_router_epoch 0" in metrics[1]
+    assert metrics[0] == 200 and parse_prometheus(metrics[1])["elastic_router_epoch"] == [({}, 0.0)]
+
+
+def rank_status(rank: int) -> RankStatus:
+    return RankStatus(
+        rank=rank,
+        pid=100 + rank,
+        instance_id=rank,
+        metadata=b"",
+        model_identity="m",
+        num_experts=4,
+        num_moe_layers=1,
+        slots_per_rank=2,
+        epoch=2,
+        active=[0, 1],
+        connected=[0, 1],
+        paused=False,
+        routable=True,
+        state=RankState.ACTIVE,
+        load=[],
+        steps=10 + rank,
+        running=rank,
+        waiting=0,
+        requests_total=20 + rank,
+        expert_rows=30 + rank,
+    )
+
+
+def test_metrics_expose_the_router_state():
+    """/metrics parses back to the state each family reports, with the exposition's content type;
+    each router has a registry of its own."""
+    rec = OpRecord(
+        id="op-1-up-1to2",
+        kind="up",
+        mode=ScaleMode.PREPARE_ASYNC_REUSE_GRAPHS,
+        from_size=1,
+        to_size=2,
+        phase="done",
+        joiners=[1],
+        leaving=[],
+        phases={"starting": 1.5, "committing": 0.25},
+        downtime_s=0.125,
+        total_s=2.0,
+        followup_error="rebalance failed",
+    )
+
+    async def run():
+        svc = RouterService(None, None, RouterConfig(), WorkerConfig())
+        other = RouterService(None, None, RouterConfig(), WorkerConfig())
+        svc.statuses = {r: rank_status(r) for r in (0, 1)}
+        svc.scaler = SimpleNamespace(busy=True, history=[rec], current=None, pending=None)
+        svc.operation_ended(rec, Committed(epoch=2, active=[0, 1], placement=None))
+        async with TestClient(TestServer(svc.app())) as client:
+            r = await client.get("/metrics")
+            return r.status, r.headers["Content-Type"], await r.text(), generate_latest(other.registry).decode()
+
+    status, content_type, text, other = asyncio.run(run())
+    assert (status, content_type) == (200, CONTENT_TYPE_LATEST)
+    ranks = [{"rank": "0"}, {"rank": "1"}]
+    assert parse_prometheus(text) == {
+        "elastic_router_epoch": [({}, 2.0)],
+        "elastic_router_active_ranks": [({}, 2.0)],
+        "elastic_router_scaling": [({}, 1.0)],
+        "elastic_scale_operations_total": [({"kind": "up", "result": "done"}, 1.0)],
+        "elastic_scale_followup_failures_total": [({}, 1.0)],
+        "elastic_scale_last_downtime_seconds": [({"op": rec.id}, 0.125)],
+        "elastic_scale_last_total_seconds": [({"op": rec.id}, 2.0)],
+        "elastic_scale_last_phase_seconds": [
+            ({"op": rec.id, "phase": "starting"}, 1.5),
+            ({"op": rec.id, "phase": "committing"}, 0.25),
+        ],
+        "elastic_rank_steps_total": list(zip(ranks, [10.0, 11.0])),
+        "elastic_rank_running_requests": list(zip(ranks, [0.0, 1.0])),
+        "elastic_rank_requests_total": list(zip(ranks, [20.0, 21.0])),
+        "elastic_rank_expert_rows_total": list(zip(ranks, [30.0, 31.0])),
+    }
+    assert parse_prometheus(other)["elastic_router_epoch"] == [({}, 0.0)]
 
 
 def test_everything_else_needs_the_token():

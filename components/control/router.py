@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 
 import msgspec
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from components.control.capacity import CapacityProvider, LocalProvider
 from components.control.scaling import Scaler
@@ -121,6 +123,9 @@ class RouterService:
         self.scaler: Scaler | None = None
         self.op_results: dict[tuple[str, str], int] = {}  # (kind, final phase) -> count
         self.followup_failures = 0  # operations whose commit held but whose rebalance or cleanup failed
+        # Its own registry, not the global one: several routers may live in one process (the tests').
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
 
     @property
     def committed(self) -> Committed:
@@ -403,86 +408,57 @@ class RouterService:
             operation=op,
         )
 
-    def metrics(self) -> str:
-        def family(name, kind, help_, samples):
-            return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples]
-
+    def collect(self):
+        """Prometheus collector (`self.registry`): the values are read at each scrape from what the
+        service holds, the ranks' last statuses and the operation history."""
         st = sorted(self.statuses.items())
         last = self.scaler.history[-1] if self.scaler and self.scaler.history else None
-        lines = family(
-            "elastic_router_epoch", "gauge", "Current topology epoch.", [f"elastic_router_epoch {self.epoch}"]
-        )
-        lines += family(
-            "elastic_router_active_ranks",
-            "gauge",
-            "Ranks in the active set.",
-            [f"elastic_router_active_ranks {len(self.active)}"],
-        )
-        lines += family(
+        yield GaugeMetricFamily("elastic_router_epoch", "Current topology epoch.", value=self.epoch)
+        yield GaugeMetricFamily("elastic_router_active_ranks", "Ranks in the active set.", value=len(self.active))
+        yield GaugeMetricFamily(
             "elastic_router_scaling",
-            "gauge",
             "1 while a scale operation runs or is queued.",
-            [f"elastic_router_scaling {int(bool(self.scaler and self.scaler.busy))}"],
+            value=int(bool(self.scaler and self.scaler.busy)),
         )
-        lines += family(
-            "elastic_scale_operations_total",
-            "counter",
-            "Scale operations by kind and outcome.",
-            [
-                f'elastic_scale_operations_total{{kind="{k}",result="{p}"}} {n}'
-                for (k, p), n in sorted(self.op_results.items())
-            ],
+        ops = CounterMetricFamily(
+            "elastic_scale_operations_total", "Scale operations by kind and outcome.", labels=["kind", "result"]
         )
-        lines += family(
+        for (k, p), n in sorted(self.op_results.items()):
+            ops.add_metric([k, p], n)
+        yield ops
+        yield CounterMetricFamily(
             "elastic_scale_followup_failures_total",
-            "counter",
             "Operations whose commit held but whose follow-up (rebalance or cleanup) failed.",
-            [f"elastic_scale_followup_failures_total {self.followup_failures}"],
+            value=self.followup_failures,
         )
         if last is not None:
-            lines += family(
-                "elastic_scale_last_downtime_seconds",
-                "gauge",
-                "Downtime of the last scale commit (first pause to last resume).",
-                [f'elastic_scale_last_downtime_seconds{{op="{last.id}"}} {last.downtime_s or 0}'],
+            for name, help_, v in (
+                (
+                    "elastic_scale_last_downtime_seconds",
+                    "Downtime of the last scale commit (first pause to last resume).",
+                    last.downtime_s,
+                ),
+                ("elastic_scale_last_total_seconds", "Duration of the last scale operation.", last.total_s),
+            ):
+                g = GaugeMetricFamily(name, help_, labels=["op"])
+                g.add_metric([last.id], v or 0)
+                yield g
+            phases = GaugeMetricFamily(
+                "elastic_scale_last_phase_seconds", "Seconds per phase of the last operation.", labels=["op", "phase"]
             )
-            lines += family(
-                "elastic_scale_last_total_seconds",
-                "gauge",
-                "Duration of the last scale operation.",
-                [f'elastic_scale_last_total_seconds{{op="{last.id}"}} {last.total_s or 0}'],
-            )
-            lines += family(
-                "elastic_scale_last_phase_seconds",
-                "gauge",
-                "Seconds per phase of the last operation.",
-                [f'elastic_scale_last_phase_seconds{{op="{last.id}",phase="{p}"}} {v}' for p, v in last.phases.items()],
-            )
-        lines += family(
-            "elastic_rank_steps",
-            "counter",
-            "Engine steps taken by a rank.",
-            [f'elastic_rank_steps{{rank="{r}"}} {s.steps}' for r, s in st],
-        )
-        lines += family(
-            "elastic_rank_running_requests",
-            "gauge",
-            "Requests running on a rank.",
-            [f'elastic_rank_running_requests{{rank="{r}"}} {s.running}' for r, s in st],
-        )
-        lines += family(
-            "elastic_rank_requests_total",
-            "counter",
-            "Requests a rank accepted.",
-            [f'elastic_rank_requests_total{{rank="{r}"}} {s.requests_total}' for r, s in st],
-        )
-        lines += family(
-            "elastic_rank_expert_rows",
-            "counter",
-            "Token-expert pairs computed by a rank.",
-            [f'elastic_rank_expert_rows{{rank="{r}"}} {s.expert_rows}' for r, s in st],
-        )
-        return "\n".join(lines) + "\n"
+            for p, v in last.phases.items():
+                phases.add_metric([last.id, p], v)
+            yield phases
+        for family, name, help_, field in (
+            (CounterMetricFamily, "elastic_rank_steps", "Engine steps taken by a rank.", "steps"),
+            (GaugeMetricFamily, "elastic_rank_running_requests", "Requests running on a rank.", "running"),
+            (CounterMetricFamily, "elastic_rank_requests_total", "Requests a rank accepted.", "requests_total"),
+            (CounterMetricFamily, "elastic_rank_expert_rows", "Token-expert pairs computed by a rank.", "expert_rows"),
+        ):
+            m = family(name, help_, labels=["rank"])
+            for r, s in st:
+                m.add_metric([str(r)], getattr(s, field))
+            yield m
 
     def parse_scale(self, body: bytes, body_type: type[ScaleBody] | type[ElasticEPBody]) -> ScaleRequest:
         """A scale request, or ValueError with what is wrong (the HTTP layer answers 400)."""
@@ -555,7 +531,7 @@ class RouterService:
             )
 
         async def metrics(_):
-            return web.Response(text=self.metrics(), content_type="text/plain")
+            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         async def submit(request, body_type):
             if not self.ready.is_set():

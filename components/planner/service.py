@@ -34,7 +34,6 @@ import collections
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -43,6 +42,9 @@ import time
 from typing import Any, ClassVar
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 
 from components.graph.component import Component, GraphContext, ProcessSpec, component_config, load_context
 from components.protocol.config import FrontendConfig, RouterConfig, WorkerConfig
@@ -177,24 +179,14 @@ def resolve(cfg: Planner.Config, worker: WorkerConfig) -> Bounds:
 # ---------------------------------------------------------------------------------------------
 # metrics input
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
 
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Samples by name (a histogram's `_bucket`, `_sum` and `_count` apart), each with its labels.
+    A malformed exposition raises ValueError, as a Prometheus scrape of it fails."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        labels = dict(_LABEL.findall(m.group(2) or ""))
-        out.setdefault(m.group(1), []).append((labels, value))
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
     return out
 
 
@@ -361,6 +353,9 @@ class PlannerService:
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=500)
         self.counts = {a: 0 for a in ACTIONS}
         self.requests = {"accepted": 0, "refused": 0, "failed": 0}
+        # Its own registry, not the global one: several planners may live in one process (the tests').
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
         self.session = None
         self.prev: dict | None = None  # previous frontend sample
         self.prev_t = 0.0
@@ -523,62 +518,33 @@ class PlannerService:
         )
         return d
 
-    def metrics(self) -> str:
-        def family(name, kind, help_, samples):
-            return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples]
-
+    def collect(self):
+        """Prometheus collector (`self.registry`): the last decision and inputs, read at each scrape."""
         x, d = self.last_inputs, self.last
-        lines = family(
-            "elastic_planner_target_dp",
-            "gauge",
-            "DP size the planner last decided on.",
-            [f"elastic_planner_target_dp {d.target if d else 0}"],
+        yield GaugeMetricFamily(
+            "elastic_planner_target_dp", "DP size the planner last decided on.", value=d.target if d else 0
         )
-        lines += family(
-            "elastic_planner_current_dp",
-            "gauge",
-            "DP size the router reported.",
-            [f"elastic_planner_current_dp {x.dp if x else 0}"],
-        )
-        lines += family(
-            "elastic_planner_min_dp", "gauge", "Lower bound.", [f"elastic_planner_min_dp {self.bounds.min_dp}"]
-        )
-        lines += family(
-            "elastic_planner_max_dp", "gauge", "Upper bound.", [f"elastic_planner_max_dp {self.bounds.max_dp}"]
-        )
-        lines += family(
-            "elastic_planner_decisions_total",
-            "counter",
-            "Planner decisions by action.",
-            [f'elastic_planner_decisions_total{{action="{a}"}} {n}' for a, n in self.counts.items()],
-        )
-        lines += family(
-            "elastic_planner_scale_requests_total",
-            "counter",
-            "POST /scale sent, by result.",
-            [f'elastic_planner_scale_requests_total{{result="{k}"}} {n}' for k, n in self.requests.items()],
-        )
+        yield GaugeMetricFamily("elastic_planner_current_dp", "DP size the router reported.", value=x.dp if x else 0)
+        yield GaugeMetricFamily("elastic_planner_min_dp", "Lower bound.", value=self.bounds.min_dp)
+        yield GaugeMetricFamily("elastic_planner_max_dp", "Upper bound.", value=self.bounds.max_dp)
+        for name, help_, label, counts in (
+            ("elastic_planner_decisions_total", "Planner decisions by action.", "action", self.counts),
+            ("elastic_planner_scale_requests_total", "POST /scale sent, by result.", "result", self.requests),
+        ):
+            c = CounterMetricFamily(name, help_, labels=[label])
+            for k, n in counts.items():
+                c.add_metric([k], n)
+            yield c
         if x is not None:
-            lines += family(
-                "elastic_planner_load",
-                "gauge",
-                "Predicted load (running + waiting requests).",
-                [f"elastic_planner_load {x.predicted}"],
-            )
-            lines += family(
-                "elastic_planner_inflight_requests",
-                "gauge",
-                "Requests in flight (last sample).",
-                [f"elastic_planner_inflight_requests {x.inflight}"],
-            )
             for name, v, help_ in (
+                ("elastic_planner_load", x.predicted, "Predicted load (running + waiting requests)."),
+                ("elastic_planner_inflight_requests", x.inflight, "Requests in flight (last sample)."),
                 ("elastic_planner_request_rate", x.rate_ewma, "Smoothed request rate (1/s)."),
                 ("elastic_planner_ttft_p95_seconds", x.ttft_p95_s, "TTFT p95, last interval."),
                 ("elastic_planner_itl_p95_seconds", x.itl_p95_s, "ITL p95, last interval."),
             ):
                 if v is not None:
-                    lines += family(name, "gauge", help_, [f"{name} {v}"])
-        return "\n".join(lines) + "\n"
+                    yield GaugeMetricFamily(name, help_, value=v)
 
     async def run(self, stop: asyncio.Event) -> None:
         import aiohttp
@@ -650,7 +616,7 @@ async def serve() -> None:
         loop.add_signal_handler(sig, stop.set)
 
     async def metrics(_):
-        return web.Response(text=svc.metrics(), content_type="text/plain")
+        return web.Response(body=generate_latest(svc.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def decisions(_):
         return web.Response(body=msgspec.json.encode(list(svc.decisions)), content_type="application/json")
