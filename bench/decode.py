@@ -90,6 +90,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--dtype", default="", help="model dtype (float32, bfloat16, float16); '': the checkpoint's")
     ap.add_argument("--eager", action="store_true", help="cuda: no decode CUDA graphs")
+    ap.add_argument(
+        "--ep-transport",
+        choices=("auto", "window", "nixl"),
+        default="auto",
+        help="RankConfig.ep_transport: the MoE exchange through same-node peer windows or over NIXL; auto: "
+        "windows where no two ranks share a GPU (set window for ranks sharing GPUs under MPS)",
+    )
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (random ids, seeded)")
     ap.add_argument("--gen-len", type=int, default=64, help="tokens generated per sequence (ignore_eos)")
     ap.add_argument(
@@ -183,6 +190,7 @@ def run_config(args, model: str, world: int) -> list[dict]:
         "max_len": args.prompt_len + max(args.gen_len, args.warmup_len),
         "timeout_s": args.timeout,
         "ep_timeout_s": min(args.timeout, 120.0),
+        "ep_transport": args.ep_transport,
     }
     with tempfile.TemporaryDirectory(prefix=f"bench-decode-{world}-") as tmp:
         d = Path(tmp)
@@ -404,7 +412,8 @@ def main(argv=None) -> None:
             "min_ranks": args.min_ranks or "the rank count",
             "dtype": args.dtype or "the checkpoint's",
             "cuda_graph_sizes": graph_sizes(args),
-            "ep_backend": "nixl (NixlCommunicator, host DRAM over UCX)",
+            "ep_transport": args.ep_transport,
+            "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
         },
         "step_latency": "EngineRank._step wall time per forward step in the decode phase, pooled over ranks",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -52,6 +52,7 @@ def main() -> None:
             min_ranks=plan["min_ranks"],
             cuda_graph_sizes=tuple(plan["graph_sizes"]),
             ep_timeout_s=plan["ep_timeout_s"],
+            ep_transport=plan["ep_transport"],
         ),
         plan["model"],
     )

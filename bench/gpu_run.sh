@@ -7,8 +7,9 @@
 #           Mixtral-shaped model, rank r on GPU r % GPUs. A device call of 10 minutes holds C or
 #           A,B but not all three.
 # handover: bench.handover (recompute against replay) on that model in bf16.
-# decode:   bench.decode on that model, batch 1-64 per rank: 1 rank, and with two GPUs 2 ranks one
-#           per GPU, then 2 and 4 ranks two per GPU.
+# decode:   bench.decode on that model, batch 32 and 64 per rank: 1 rank, and with two GPUs 2 ranks
+#           one per GPU, then 4 ranks two per GPU under MPS.
+# step:     bench.step on that model (one rank's step by phase, its graph alone, the floor).
 # Results go to $OUT (default bench/results). Needs torch with CUDA, and nixl-cu13, msgspec and
 # ai-dynamo-runtime importable.
 set -uo pipefail
@@ -43,13 +44,20 @@ for step in "$@"; do
     decode)
         [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
         ranks=$([ "$gpus" -gt 1 ] && echo 1,2 || echo 1)
-        $PY -m bench.decode --device cuda --model /tmp/mxl --ranks $ranks --batch 1,8,32,64 \
+        $PY -m bench.decode --device cuda --model /tmp/mxl --ranks $ranks --batch 32,64 --gen-len 256 \
             --out "$OUT/decode_h200${suffix}.json" || rc=1
-        if [ "$gpus" -gt 1 ]; then
-            $PY -m bench.decode --device cuda --model /tmp/mxl --ranks 2,4 --ranks-per-gpu 2 --batch 1,8,32,64 \
-                --out "$OUT/decode_h200${suffix}_shared.json" || rc=1
+        if [ "$gpus" -gt 1 ]; then  # two ranks per GPU side by side under a private MPS daemon
+            export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+            mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d
+            $PY -m bench.decode --device cuda --model /tmp/mxl --ranks 4 --ranks-per-gpu 2 --batch 32,64 --gen-len 256 \
+                --out "$OUT/decode_h200${suffix}_4ranks_mps.json" || rc=1
+            echo quit | nvidia-cuda-mps-control
+            unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
         fi ;;
-    *) echo "unknown step $step (tests, pull, scale, handover, decode)"; exit 2 ;;
+    step)
+        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        $PY -m bench.step --model /tmp/mxl --out "$OUT/step_h200.json" || rc=1 ;;
+    *) echo "unknown step $step (tests, pull, scale, handover, decode, step)"; exit 2 ;;
     esac
 done
 exit $rc

@@ -35,8 +35,8 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # How the MoE exchange travels. "window": through same-node peers' memory as device work
     # inside the decode graph (CUDA, every rank on one node); "nixl": the host-driven NIXL
     # all-to-all (CPU, ranks on several nodes); "auto": "window" on CUDA when no two of
-    # max_ranks ranks share a GPU (ranks time-sliced on one GPU without MPS wait through whole
-    # time slices), else "nixl".
+    # max_ranks ranks share a GPU or an MPS daemon runs (ranks time-sliced on one GPU without
+    # MPS wait through whole time slices), else "nixl".
     ep_transport: str = "auto"
 
     # The network devices the ranks' NIXL agents may use (UCX_NET_DEVICES), which are also the
