@@ -24,18 +24,33 @@ def ranks(srv: Server) -> dict[int, dict]:
     return {v["rank"]: v for v in srv.topology()["ranks"]}
 
 
-def test_scale_cycle_with_parked_ranks_checkpointed():
+@pytest.mark.parametrize(
+    "transport,small,large",
+    [
+        ("nixl", 2, 4),  # ranks sharing the GPU(s): the host-driven exchange
+        ("window", 1, 2),  # one rank per GPU: the exchange through peer windows inside the graph
+    ],
+)
+def test_scale_cycle_with_parked_ranks_checkpointed(transport, small, large):
+    """`window` also shows a parked rank's mailbox unmapped by its peers before its CUDA
+    checkpoint, and mapped again when it returns."""
+    import torch
+
     from snapshot import cuda_checkpoint
 
     ok, why = cuda_checkpoint.available()
     if not ok:
         pytest.skip(why)
+    if transport == "window" and torch.cuda.device_count() < large:
+        pytest.skip(f"needs {large} GPUs, one per rank")
     reference = dict(enumerate(engine_reference(PROMPTS, MAX_TOKENS, device="cuda")))
     srv = Server(
         [
             "--Worker.device=cuda",
             "--Worker.vmm=true",
-            "--Worker.max_ranks=4",
+            f"--Worker.max_ranks={large}",
+            f"--Worker.ep_transport={transport}",
+            f"--Worker.dp_size={small}",
             "--Worker.max_seqs=8",
             "--Router.checkpoint_parked=true",
             "--Router.rebalance=false",
@@ -47,30 +62,31 @@ def test_scale_cycle_with_parked_ranks_checkpointed():
         with Traffic(srv, PROMPTS, MAX_TOKENS, clients=4) as traffic:
             time.sleep(2)
             first = ranks(srv)
-            up = scale(srv, 4)
+            up = scale(srv, large)
             time.sleep(3)
             after_up = ranks(srv)
-            down = scale(srv, 2)
+            down = scale(srv, small)
             parked = {r: after_up[r]["pid"] for r in down["parked"]}
             states = {r: cuda_checkpoint.state(pid) for r, pid in parked.items()}
-            again = scale(srv, 4)
+            again = scale(srv, large)
             time.sleep(3)
             last = ranks(srv)
         log = srv.tail(3000)
     finally:
         srv.stop()
     assert [op["phase"] for op in (up, down, again)] == ["done"] * 3, (up, down, again, log)
-    assert up["joined_from"] == {"2": "cold", "3": "cold"}
-    assert sorted(parked) == [2, 3] and set(states.values()) == {"checkpointed"}, states
-    assert again["joined_from"] == {"2": "parked", "3": "parked"}, log
+    joiners = list(range(small, large))
+    assert up["joined_from"] == {str(r): "cold" for r in joiners}
+    assert sorted(parked) == joiners and set(states.values()) == {"checkpointed"}, states
+    assert again["joined_from"] == {str(r): "parked" for r in joiners}, log
     assert "CUDA state restored" in log
     assert again["phases"]["starting"] < up["phases"]["starting"]
     assert again["pull_bytes"] > 0  # the restored ranks' weights came from peers
     # Same processes, same graphs: nothing recaptured on any rank.
     assert {r: last[r]["pid"] for r in parked} == parked
-    for r in (0, 1):
+    for r in range(small):
         assert last[r]["graph_captures"] == first[r]["graph_captures"] > 0
-    for r in (2, 3):
+    for r in joiners:
         assert last[r]["graph_captures"] == after_up[r]["graph_captures"] > 0
         # each joiner served after each of its commits
         assert after_up[r]["requests_total"] > 0 and last[r]["requests_total"] > after_up[r]["requests_total"]
