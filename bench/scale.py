@@ -129,10 +129,12 @@ def run_mode(mode: str, args) -> list[dict]:
     try:
         with Load(srv, args.clients, args.max_tokens) as load:
             time.sleep(args.warmup_s)
+            static = None  # (greedy changed, completions) before any operation: the static deployment's own
             for src, dst, label in steps:
                 s0 = time.time()
                 time.sleep(args.static_s)
                 s1 = time.time()
+                static = static or (len(load.changed()), len(load.results))
                 print(f"mode {mode}: scaling {src} -> {dst}", file=sys.stderr)
                 t0 = time.time()
                 r = srv.control("POST", "/scale?wait=true", json={"dp_size": dst, "mode": mode}, timeout=600)
@@ -158,6 +160,8 @@ def run_mode(mode: str, args) -> list[dict]:
                         "ranks": rank_memory(srv, op.get("parked", [])),
                         "completions": len(load.results),
                         "greedy_mismatches": len(load.changed()),
+                        "static_greedy_mismatches": static[0],
+                        "static_completions": static[1],
                         "client_errors": len(load.errors),
                     }
                 )
@@ -260,6 +264,12 @@ def main() -> None:
         "options that differ from `dynamo serve graphs/elastic:Frontend`'s defaults: "
         + " ".join(non_defaults(args, args.small))
     )
+    for r in rows[:1]:
+        if "static_completions" in r:
+            print(
+                f"greedy completions that changed under the static deployment, before any operation: "
+                f"{r['static_greedy_mismatches']} / {r['static_completions']} (the rows count from the start)"
+            )
     print(
         "| mode | scale | downtime ms | downtime / decode step | total s | prepare s | tok/s static | "
         "tok/s preparing | greedy changed / completions | client errors |"
