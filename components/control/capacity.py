@@ -25,7 +25,14 @@ from typing import Protocol
 
 import msgspec
 
-from components.graph.component import COMPONENT_ENV, GRAPH_ENV, GraphContext, ProcessSpec, encode_context
+from components.graph.component import (
+    COMPONENT_ENV,
+    GRAPH_ENV,
+    GRAPH_PID_ENV,
+    GraphContext,
+    ProcessSpec,
+    encode_context,
+)
 from components.graph.spawn import Child, adopt, spawn
 from components.protocol.config import WorkerConfig
 from components.worker import FAULT_ENV, Worker
@@ -242,8 +249,14 @@ class LocalProvider:
         restored = None
         try:
             t0 = time.perf_counter()
+            # Like a cold joiner, it outlives this router and dies with the graph.
             restored = await asyncio.to_thread(
-                restore, image, output=out_w, stdin=stdin_r, manifest=verify_image(image, checksums=False)
+                restore,
+                image,
+                output=out_w,
+                stdin=stdin_r,
+                manifest=verify_image(image, checksums=False),
+                dies_with=int(env.get(GRAPH_PID_ENV) or 0),
             )
             log.info("Worker.%d: criu restore took %.3f s", rank, time.perf_counter() - t0)
             who = RestoreIdentity(
@@ -319,7 +332,8 @@ class LocalProvider:
         except OSError:
             log.info("[op %s] Worker.%d (pid %d) is already gone", op, rank, pid)
             return
-        if b"components.worker" in argv and str(rank).encode() in argv:
+        # A copy restored from a snapshot image has the baked process's argv (`--bake`).
+        if b"components.worker" in argv and (str(rank).encode() in argv or b"--bake" in argv):
             os.kill(pid, signal.SIGKILL)
             log.warning("[op %s] Worker.%d (pid %d) fenced: SIGKILL", op, rank, pid)
 
