@@ -302,6 +302,13 @@ class RankServer:
         self.life = Lifecycle(who.rank)
         self.faults = Faults.from_env()
         self.engine.assume_rank(who.rank, f"ep-{who.rank}-{who.nonce}")
+        if self.engine.arena is not None:
+            # Baked on CUDA with its arena released; the provider restored its CUDA state
+            # before telling it who it is. Fresh memory at the addresses its graphs use: the
+            # weights come from peers (PullWeights), the KV cache starts zeroed.
+            t0 = time.perf_counter()
+            self.engine.restore_memory()
+            log.info("rank %d: VMM arena remapped in %.3f s", who.rank, time.perf_counter() - t0)
         self.engine.comm.resume()
         self.started_from = "snapshot"
         self.life.transition(RankState.RESTORED, f"restored from snapshot {who.snapshot}")

@@ -87,7 +87,8 @@ class LocalProvider:
     """Joining ranks as processes on this host, output prefixed like `dynamo serve` does; ranks
     that left are parked and restored first. A new rank is restored from a criu-tier snapshot
     under Worker.snapshot_root that fits the deployment and passes its checksums (each copy in its
-    own PID namespace, so one image serves any number of joiners at once), else cold-started."""
+    own PID namespace, so one image serves any number of joiners at once; on CUDA one at a time,
+    its CUDA state restored after the CRIU restore), else cold-started."""
 
     def __init__(self, ctx: GraphContext):
         self.ctx = ctx
@@ -104,6 +105,7 @@ class LocalProvider:
             # config): imported now, not inside the first scale-up's starting phase.
             threading.Thread(target=_import_snapshot_choice, name="snapshot-imports", daemon=True).start()
         self.adopted: dict[int, int] = {}  # rank -> pid: joiners an earlier router started
+        self.cuda_copies: set[int] = set()  # ranks restored from a CUDA image (one at a time)
 
     @functools.cached_property
     def checkpoints_parked(self) -> bool:
@@ -188,8 +190,6 @@ class LocalProvider:
         root = self.wcfg.snapshot_root
         if not root:
             return None, ""
-        if self.wcfg.device != "cpu":
-            return None, f"Worker.device {self.wcfg.device}: joiners are restored from CRIU images on CPU only"
 
         def pick():
             from components.worker import model_source, rank_config
@@ -200,6 +200,12 @@ class LocalProvider:
             ok, why = criu_status()
             if not ok:
                 return None, why
+            if self.wcfg.device == "cuda":
+                from snapshot import cuda_checkpoint
+
+                ok, why = cuda_checkpoint.available()
+                if not ok:
+                    return None, f"a CUDA image cannot be restored here: {why}"
             target = target_for(model_source(self.wcfg)[0], rank_config(self.wcfg, 0))
             found, refused = find_compatible(target, root, tiers=("criu",))
             for reason in refused.values():
@@ -225,6 +231,17 @@ class LocalProvider:
         """Restore rank `rank` from `snap` if given (falling back to a cold start when that
         fails), else cold-start it. Returns (its process, "snapshot" | "new")."""
         spec = Worker.rank_process(rank, join=True)
+        if snap is not None and self.wcfg.device == "cuda":
+            busy = [r for r in self.cuda_copies if self.alive(r)]
+            self.cuda_copies = set(busy)
+            if busy:
+                # The CUDA driver holds an abstract unix socket named after the baked process's
+                # PID namespace and PID: every copy restores it, and in one network namespace
+                # the second copy's restore fails to bind it. Until each copy has a network
+                # namespace of its own, one restored CUDA copy at a time.
+                snap, why = None, f"Worker.{busy[0]} runs restored from a CUDA image: one such copy at a time"
+            else:
+                self.cuda_copies.add(rank)
         if snap is not None:
             try:
                 return await self._restore(rank, spec, env, snap), "snapshot"
@@ -259,6 +276,13 @@ class LocalProvider:
                 dies_with=int(env.get(GRAPH_PID_ENV) or 0),
             )
             log.info("Worker.%d: criu restore took %.3f s", rank, time.perf_counter() - t0)
+            if self.wcfg.device == "cuda":
+                from snapshot import cuda_checkpoint
+
+                t = await asyncio.to_thread(cuda_checkpoint.restore, restored.pid)
+                log.info(
+                    "Worker.%d: CUDA state restored in %.3f s, unlocked in %.3f s", rank, t["restore"], t["unlock"]
+                )
             who = RestoreIdentity(
                 rank=rank,
                 pid=restored.pid,
