@@ -246,6 +246,7 @@ class LocalProvider:
             try:
                 return await self._restore(rank, spec, env, snap), "snapshot"
             except Exception as e:  # criu's reason; the rank still joins, cold
+                self.cuda_copies.discard(rank)
                 why = f"snapshot {snap.path}: restore failed: {e}"
                 log.warning("[op %s] Worker.%d: %s; cold start instead", op, rank, why)
         if why:
