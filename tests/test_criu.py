@@ -284,6 +284,31 @@ def test_a_copys_exit_status_is_reported(image, work):
     assert c.returncode == -signal.SIGKILL  # closed while running: killed with its namespace
 
 
+def test_the_provider_sees_a_restored_copys_exit_status(image):
+    """What LocalProvider holds for a restored joiner (spawn.adopt's Child) reports how it ended."""
+    import asyncio
+
+    from components.graph.component import ProcessSpec
+    from components.graph.spawn import adopt
+
+    img, _, _ = image
+
+    async def run(end) -> int | None:
+        r, w = os.pipe()
+        try:
+            restored = restore(img, output=w)
+        finally:
+            os.close(w)
+        child = await adopt(ProcessSpec(label="copy", argv=[]), restored, r)
+        end(restored)
+        code = await asyncio.wait_for(child.proc.wait(), 30)
+        assert child.proc.returncode == code and not child.alive()
+        return code
+
+    assert asyncio.run(run(lambda c: os.kill(c.pid, signal.SIGKILL))) == -signal.SIGKILL
+    assert asyncio.run(run(lambda c: os.kill(c.pid, signal.SIGTERM))) == -signal.SIGTERM
+
+
 def test_a_copy_given_a_graph_outlives_its_restorer_and_ends_with_the_graph(image, work):
     """restore(dies_with=graph): the copy is not tied to the restoring process (a router restart
     keeps it) but to the graph, whose end SIGTERMs it."""
