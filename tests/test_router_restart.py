@@ -188,6 +188,9 @@ def test_a_restored_joiner_outlives_the_router_and_is_adopted(restoring, referen
     after = {r["rank"]: r for r in srv.topology()["ranks"]}
     assert after[1]["pid"] == pid and after[1]["started_from"] == "snapshot" and after[1]["state"] == "ACTIVE"
     assert alive(pid)
+    # Its output went through the killed router: it now writes where the graph does (a log file
+    # here, which it must not share: /dev/null), having seen that router go.
+    assert os.readlink(f"/proc/{pid}/fd/1") == os.readlink(f"/proc/{pid}/fd/2") == "/dev/null"
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
     srv.stop()
