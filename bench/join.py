@@ -6,7 +6,10 @@ snapshot store, scales 1 -> 2 (rank 1 starts cold), moves the snapshot into the 
 2 -> 3 (rank 2 is restored from it). Per join: the operation's phases from the router's record,
 "starting" being the joiner's process start (or restore) until it registered, and its total,
 start to serving (routable). After each join, greedy completions must equal the first ones seen.
-Results: a table and bench/results/join.json (`--out`).
+`--device cuda`: the snapshot is baked on the GPU (VMM arena released, CUDA-checkpointed) and the
+deployment runs there (Worker.vmm on); each join's steps (CRIU restore, CUDA restore and unlock,
+arena remap, weight pull) are read from the graph's log.
+Results: a table and bench/results/join.json (join_cuda.json on CUDA; `--out`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -23,6 +27,26 @@ from pathlib import Path
 from harness.server import Server, scale
 
 PHASES = ["starting", "loading", "warming", "connecting", "committing"]
+# What a restored joiner's "starting" and "loading" are made of, from the graph's log.
+RESTORE_STEPS = {
+    "criu_restore": r"Worker\.{rank}: criu restore took ([0-9.]+) s",
+    "cuda_restore": r"Worker\.{rank}: CUDA state restored in ([0-9.]+) s",
+    "cuda_unlock": r"Worker\.{rank}: CUDA state restored in [0-9.]+ s, unlocked in ([0-9.]+) s",
+    "arena_remap": r"rank {rank}: VMM arena remapped in ([0-9.]+) s",
+    "weight_pull": r"rank {rank}: pulled \d+ tensors, [0-9.]+ MB in ([0-9.]+) s",
+}
+
+
+def restore_timings(log: str, rank: int) -> dict[str, float]:
+    """Seconds of each step of RESTORE_STEPS the log shows for `rank` (the last of each)."""
+    out = {}
+    for step, pattern in RESTORE_STEPS.items():
+        found = re.findall(pattern.format(rank=rank), log)
+        if found:
+            out[step] = float(found[-1])
+    return out
+
+
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(4)]
 
 
@@ -30,7 +54,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-ranks", type=int, default=4, help="Worker.max_ranks, baked and served (default: 4)")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--out", type=Path, default=Path("bench/results/join.json"))
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="Worker.device, baked and served")
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=1024,
+        help="Worker.max_len, baked and served (given: not computed from free memory, which differs "
+        "between the baker and the router; default: %(default)s)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/join.json (join_cuda.json on cuda)")
     p.add_argument("graph_args", nargs="*", help="more `dynamo serve` options (after --), e.g. --Worker.max_seqs=8")
     args = p.parse_args()
     from snapshot.bake import bake
@@ -39,15 +71,22 @@ def main() -> None:
     root = tmp / "store"
     root.mkdir()
     t0 = time.perf_counter()
-    snap, m = bake(tmp / "snap", tier="criu", max_ranks=args.max_ranks, progress=True)
+    snap, m = bake(
+        tmp / "snap", tier="criu", device=args.device, max_ranks=args.max_ranks, max_len=args.max_len, progress=True
+    )
     baked = {"wall_s": time.perf_counter() - t0, "image_bytes": m.image_bytes, "snapshot_id": m.snapshot_id}
+    if args.device == "cuda":
+        baked["warmup"] = json.loads((snap / "warmup.json").read_text())
     opts = [
         "--Planner.enabled=false",
         "--Worker.dp_size=1",
         f"--Worker.max_ranks={args.max_ranks}",
         f"--Worker.snapshot_root={root}",
+        f"--Worker.max_len={args.max_len}",
+        *([f"--Worker.device={args.device}", "--Worker.vmm=true"] if args.device == "cuda" else []),
         *args.graph_args,
     ]
+    out = args.out or Path("bench/results/join_cuda.json" if args.device == "cuda" else "bench/results/join.json")
     srv = Server(opts, boot_timeout_s=600, model=None)
     rows = []
     try:
@@ -65,6 +104,7 @@ def main() -> None:
                     "scale": f"{size - 1} -> {size}",
                     "phases": {k: op["phases"].get(k, 0.0) for k in PHASES},
                     "total_s": op["total_s"],
+                    "steps": restore_timings(srv.output, size - 1),
                     "snapshot_refused": op["snapshot_refused"],
                     "greedy_equal": [srv.stream_text(q, args.max_tokens) for q in PROMPTS] == first,
                 }
@@ -75,12 +115,13 @@ def main() -> None:
     result = {
         "command": " ".join([sys.executable, "-m", "bench.join", *sys.argv[1:]]),
         "serve_options": opts[:3] + opts[4:],  # not the temporary store
+        "device": args.device,
         "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
         "bake": baked,
         "joins": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"baked in {baked['wall_s']:.1f} s, image {m.image_bytes / 2**20:.0f} MiB")
     print("| joined from | scale | " + " | ".join(f"{k} s" for k in PHASES) + " | start to serving s | greedy equal |")
     print("|---|---|" + "---|" * len(PHASES) + "---|---|")
@@ -90,7 +131,9 @@ def main() -> None:
             + " | ".join(f"{r['phases'][k]:.3f}" for k in PHASES)
             + f" | {r['total_s']:.3f} | {r['greedy_equal']} |"
         )
-    print(f"wrote {args.out}")
+    for r in rows:
+        print(f"{r['joined_from']} joiner steps (s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["steps"].items()))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 import signal
-import stat
 import sys
 import time
 import uuid
@@ -35,7 +34,7 @@ from components.graph.component import (
     encode_context,
     load_context,
 )
-from components.graph.spawn import die_with_parent
+from components.graph.spawn import die_with_parent, graph_output
 from components.protocol.config import WorkerConfig
 from components.protocol.lifecycle import Lifecycle, RankState
 from components.protocol.messages import (
@@ -297,13 +296,19 @@ class RankServer:
         # to a peer fails (NIXL_ERR_BACKEND); without it, shared memory goes by name.
         os.environ.setdefault("UCX_TLS", "^cma")
         os.environ.setdefault("UCX_POSIX_USE_PROC_LINK", "n")
-        die_with_parent()  # criu, PID 1 of this copy's namespace, which dies with the provider
         self.rank, self.ctx, self.nonce, self.pid = who.rank, who.context, who.nonce, who.pid
         self.cfg = component_config(Worker.Config)
         self.model_dir, self.model_name = model_source(self.cfg)
         self.life = Lifecycle(who.rank)
         self.faults = Faults.from_env()
         self.engine.assume_rank(who.rank, f"ep-{who.rank}-{who.nonce}")
+        if self.engine.arena is not None:
+            # Baked on CUDA with its arena released; the provider restored its CUDA state
+            # before telling it who it is. Fresh memory at the addresses its graphs use: the
+            # weights come from peers (PullWeights), the KV cache starts zeroed.
+            t0 = time.perf_counter()
+            self.engine.restore_memory()
+            log.info("rank %d: VMM arena remapped in %.3f s", who.rank, time.perf_counter() - t0)
         self.engine.comm.resume()
         self.started_from = "snapshot"
         self.life.transition(RankState.RESTORED, f"restored from snapshot {who.snapshot}")
@@ -677,20 +682,63 @@ def die_with_graph(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], ra
     if not graph:
         return
     try:
-        loop.add_reader(os.pidfd_open(graph), stop)
+        graph_fd = os.pidfd_open(graph)
     except ProcessLookupError:  # gone before we looked
         stop()
         return
     if parent == graph:
+        loop.add_reader(graph_fd, stop)
         return
+    try:
+        parent_fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        parent_fd = -1
+    watch_graph(loop, stop, rank, graph_fd, parent_fd, lambda: graph_output(graph))
+
+
+def restored_watch(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], rank: int) -> None:
+    """die_with_graph for a copy restored from a snapshot image: in its own PID namespace it
+    cannot name the graph or the router by PID, so it takes the pidfds its namespace's init
+    holds for it (snapshot.nsinit), and that init's descriptor on the graph's output."""
+    from snapshot.nsinit import GRAPH_FD, OUTPUT_FD, PARENT_FD
+
+    try:
+        init = os.pidfd_open(1)
+        graph_fd, parent_fd = pidfd_getfd(init, GRAPH_FD), pidfd_getfd(init, PARENT_FD)
+    except OSError as e:  # restored with no graph to die with (snapshot.criu_image.restore)
+        log.info("rank %d: no graph to watch (%s): dies with the process that restored it", rank, e)
+        return
+    out = f"/proc/1/fd/{OUTPUT_FD}"
+    watch_graph(loop, stop, rank, graph_fd, parent_fd, lambda: os.open(out, os.O_WRONLY))
+
+
+def pidfd_getfd(pidfd: int, fd: int) -> int:
+    """A copy of descriptor `fd` of the process `pidfd` refers to (Linux pidfd_getfd)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    got = libc.syscall(438, pidfd, fd, 0)  # SYS_pidfd_getfd, the same number on every architecture
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pidfd_getfd({fd}): {os.strerror(err)}")
+    return got
+
+
+def watch_graph(
+    loop: asyncio.AbstractEventLoop,
+    stop: Callable[[], None],
+    rank: int,
+    graph_fd: int,
+    parent_fd: int,
+    open_output: Callable[[], int],
+) -> None:
+    """Stop when the process of `graph_fd` ends; when the one of `parent_fd` (the router that
+    started this joiner; -1: gone already) ends, write to `open_output()` instead of to it."""
+    loop.add_reader(graph_fd, stop)
 
     def parent_gone() -> None:
-        out = f"/proc/{graph}/fd/1"
         try:
-            # A pipe or a terminal takes lines from two writers; a regular file opened by someone
-            # else would have them overwritten at its writer's offset.
-            shared = not stat.S_ISREG(os.stat(out).st_mode)
-            fd = os.open(out if shared else os.devnull, os.O_WRONLY)
+            fd = open_output()
         except OSError:
             fd = os.open(os.devnull, os.O_WRONLY)
         os.dup2(fd, 1)
@@ -700,14 +748,13 @@ def die_with_graph(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], ra
             h.setFormatter(logging.Formatter(f"[Worker.{rank}] {LOG_FORMAT}"))
         log.info("rank %d: the router that started this joiner is gone; serving on", rank)
 
-    try:
-        parent_fd = os.pidfd_open(parent)
-    except ProcessLookupError:
+    if parent_fd < 0:
         parent_gone()
         return
 
     def on_parent_exit() -> None:
         loop.remove_reader(parent_fd)
+        os.close(parent_fd)
         parent_gone()
 
     loop.add_reader(parent_fd, on_parent_exit)
@@ -740,7 +787,9 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
     rt = make_runtime(loop, ctx)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, rt.shutdown)
-    if not restored:  # a restored copy sees another PID namespace; it dies with its restorer
+    if restored:  # in another PID namespace
+        restored_watch(loop, rt.shutdown, rank)
+    else:
         die_with_graph(loop, rt.shutdown, rank, parent)
     server.gen_ep = rt.endpoint(f"{ctx.namespace}.worker.generate")
     server.ctl_ep = rt.endpoint(f"{ctx.namespace}.worker.control")
@@ -800,6 +849,9 @@ def baked(spec_path: str) -> None:
     spec = msgspec.json.decode(Path(spec_path).read_bytes(), type=BakeSpec)
     server = RankServer(0, WorkerConfig(), None, join=True)
     server.engine = warm_for_image(spec)
+    # CRIU restores a parent-death signal, and a copy's first parent (criu restore -d) exits at
+    # once. A baker gone from here on closes the pipe, and the read below ends this process.
+    die_with_parent(0)
     log.info("warm; waiting to be dumped")
     who = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=RestoreIdentity)
     server.restored(who)

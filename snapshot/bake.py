@@ -199,6 +199,7 @@ def warm(cfg, model_dir: str, on_step=lambda desc: None):
             "cuda_graph_captures": eng.graphs.captures if eng.graphs else 0,
             "device": str(eng.device),
             "torch": str(__import__("torch").__version__),
+            "cuda": str(__import__("torch").version.cuda or ""),
             "python": sys.version.split()[0],
         },
     )
@@ -230,19 +231,38 @@ def drop_pages(tensors) -> int:
 
 
 def warm_for_image(spec: BakeSpec):
-    """In the process to be dumped: warm up, drop the pages of weights and KV cache, drop the
-    NIXL agent (UCX's state is not CRIU's to dump, and its name is no copy's to keep), then say so
-    through `spec.ready`. Returns the engine."""
+    """In the process to be dumped: warm up, give back the memory of weights and KV cache (CPU:
+    their pages dropped; CUDA: the VMM arena holding them released, its addresses kept, so the
+    CUDA checkpoint holds none of it either), drop the NIXL agent (UCX's state is not CRIU's to
+    dump, and its name is no copy's to keep), then say so through `spec.ready`. Returns the
+    engine."""
+    import torch
+
     from components.engine.rank import RankConfig
 
     eng, ready = warm(msgspec.convert(spec.config, RankConfig), spec.model_dir)
-    dropped = drop_pages([*eng.weight_tensors().values(), *eng.kv.k, *eng.kv.v])
-    ready.warm["pages_dropped_bytes"] = dropped
+    if eng.device.type == "cuda":
+        from components.engine.ep_window import WindowCommunicator
+
+        if isinstance(eng.comm, WindowCommunicator):
+            # Its mailbox exporter listens on an abstract socket every copy would restore.
+            raise SnapshotError("the criu tier on CUDA needs the NIXL EP transport (ep_transport=nixl)")
+        eng.release_memory()
+        torch.cuda.empty_cache()  # the allocator's free blocks would be checkpointed too
+        ready.warm["arena_released_bytes"] = eng.arena.nbytes
+    else:
+        ready.warm["pages_dropped_bytes"] = drop_pages([*eng.weight_tensors().values(), *eng.kv.k, *eng.kv.v])
     eng.comm.suspend()
     tmp = Path(spec.ready + ".tmp")
     tmp.write_bytes(msgspec.json.encode(ready))
     tmp.rename(spec.ready)
     return eng
+
+
+def warmup_record(ready: BakeReady) -> bytes:
+    return (
+        json.dumps({"steps_s": ready.steps_s, "warmup_runs_s": ready.warmup_runs_s, **ready.warm}, indent=2) + "\n"
+    ).encode()
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -309,16 +329,18 @@ def bake(
     warmup record written. tier "criu": a worker process (part of no group: no discovery, no NIXL
     agent, no sockets; stdin a pipe, output to bake.log) builds and warms the engine, then is
     dumped by CRIU into <snapshot>/criu; the weights are allocated but never written, so the
-    image holds none (their untouched pages are not dumped). A joiner restored from it is told its
-    rank and deployment through that stdin pipe (components.worker.RestoreIdentity)."""
+    image holds none (their untouched pages are not dumped). On CUDA the worker's weights, expert
+    slots and KV live in a VMM arena that it releases (addresses kept) before this process
+    CUDA-checkpoints it (snapshot.cuda_checkpoint: its GPU state moved to host memory), then
+    dumps it; the manifest's device_type and driver_version must match where it is restored. A
+    joiner restored from it is told its rank and deployment through that stdin pipe
+    (components.worker.RestoreIdentity)."""
     from tqdm import tqdm
 
     if tier not in ("artifacts", "criu"):
         raise ValueError(f"tier must be artifacts or criu, not {tier!r}")
     if device == "cuda":
         device = "cuda:0"
-    if tier == "criu" and device.startswith("cuda"):
-        raise ValueError("the criu tier is baked on CPU only for now (a CUDA worker needs its CUDA checkpoint)")
     if not 1 <= min_ranks <= max_ranks:
         raise ValueError(f"min_ranks ({min_ranks}) must be in 1..max_ranks ({max_ranks})")
     if cuda_graph_sizes and not device.startswith("cuda"):
@@ -341,7 +363,18 @@ def bake(
         if not ok:
             raise SnapshotError(f"the criu tier cannot be baked here: {why}")
         criu_version = read_version(find_criu())[1]
-    extra = {} if cuda_graph_sizes is None else {"cuda_graph_sizes": tuple(cuda_graph_sizes)}
+        if device.startswith("cuda"):
+            from snapshot import cuda_checkpoint
+
+            ok, why = cuda_checkpoint.available()
+            if not ok:
+                raise SnapshotError(f"the criu tier on CUDA needs the driver's checkpoint API: {why}")
+    extra: dict[str, Any] = {} if cuda_graph_sizes is None else {"cuda_graph_sizes": tuple(cuda_graph_sizes)}
+    cuda_image = tier == "criu" and device.startswith("cuda")
+    if cuda_image:
+        # Weights, expert slots and KV in one VMM arena, released before the CUDA checkpoint:
+        # the image holds none of them, and a copy remaps them at the addresses its graphs use.
+        extra["vmm"] = True
     cfg = rank_config(
         device=device,
         dtype=dtype,
@@ -384,10 +417,7 @@ def bake(
         dest = Path(out) if out is not None else Path(root or default_root()) / sid
         files = {
             ENGINE_FILE: msgspec.json.format(msgspec.json.encode(cfg), indent=2) + b"\n",
-            WARMUP_FILE: (
-                json.dumps({"steps_s": ready.steps_s, "warmup_runs_s": ready.warmup_runs_s, **ready.warm}, indent=2)
-                + "\n"
-            ).encode(),
+            WARMUP_FILE: warmup_record(ready),
             MODEL_CONFIG_FILE: (Path(src) / "config.json").read_bytes(),
         }
         trees = {}
@@ -395,7 +425,16 @@ def bake(
         if tier == "criu":
             from snapshot.criu_image import dump
 
-            step("criu dump")
+            if cuda_image:
+                from snapshot import cuda_checkpoint
+
+                step("CUDA checkpoint + criu dump")
+                ready.warm["cuda_checkpoint_s"] = {
+                    k: round(v, 6) for k, v in cuda_checkpoint.checkpoint(proc.pid).items()
+                }
+                files[WARMUP_FILE] = warmup_record(ready)
+            else:
+                step("criu dump")
             image = dump(proc, work / IMAGE_DIR)
             image_bytes = image.image_bytes
             files[BAKE_LOG] = (work / BAKE_LOG).read_bytes()
@@ -410,6 +449,7 @@ def bake(
             warmup_seconds=ready.warmup_runs_s[0],
             weights_included=False,
             criu_version=criu_version,
+            cuda_version=str(ready.warm.get("cuda", "")) if device.startswith("cuda") else "",
             image_bytes=image_bytes,
             bake_seconds=round(time.perf_counter() - t0, 3),
             **msgspec.structs.asdict(target),

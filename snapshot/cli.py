@@ -230,7 +230,7 @@ def tier_lines() -> list[tuple[str, bool, str]]:
     from snapshot.criu import criu_status
 
     out = [("artifacts", True, "always: manifest, engine config, warmup record and model config on disk")]
-    ok, why = cuda_checkpoint.available()
+    cuda_ok, cuda_why = ok, why = cuda_checkpoint.available()
     if ok:
         out.append(("parked", True, f"GPU: a parked process, its CUDA state checkpointed: {why}"))
     else:
@@ -243,6 +243,8 @@ def tier_lines() -> list[tuple[str, bool, str]]:
             )
         )
     ok, why = criu_status()
+    if ok:
+        why += "; CPU and CUDA images" if cuda_ok else f"; CPU images (CUDA images need: {cuda_why})"
     out.append(("criu", ok, why if ok else f"unavailable: {why}"))
     return out
 

@@ -20,8 +20,15 @@ CHECK_TIMEOUT_S = 60
 NOT_INSTALLED = "CRIU not found (`make install` unpacks Debian trixie's CRIU 4.1.1 into .venv/criu)"
 
 
+CRIU_ENV = "ELASTIC_EP_CRIU"
+
+
 def find_criu() -> str | None:
-    """The venv's criu (written by tools/criu-fetch.sh) before any criu on $PATH."""
+    """$ELASTIC_EP_CRIU (a machine whose Python is not the venv's: the GPU machine, given the
+    venv's .venv/criu and .venv/bin/criu), else the venv's criu (written by tools/criu-fetch.sh),
+    else any criu on $PATH."""
+    if os.environ.get(CRIU_ENV):
+        return os.environ[CRIU_ENV]
     own = Path(sys.prefix) / "bin" / "criu"
     if os.access(own, os.X_OK):
         return str(own)

@@ -12,11 +12,15 @@ What CRIU accepts, and why this module does what it does (measured with trixie's
   into a new PID namespace could not rejoin a session outside it. `--shell-job` would restore the
   copy into criu's session instead; nothing here needs that.
 - A dumped process is killed by CRIU; its parent must reap it (dump() does, given the Popen).
-- Each copy is `unshare --pid --kill-child --mount-proc criu restore`, without `-d`: criu becomes
-  PID 1 of a new namespace and stays the copy's parent, so the copy keeps its original PID inside
-  while any number of copies of one image run at once. Killing that criu kills the whole namespace
-  (and --kill-child kills it when unshare dies; unshare dies with the process that restored).
-  The copy's exit status is not reported: criu reaps it, and exits with 0 whatever it was.
+- Each copy is `unshare --pid --kill-child --mount-proc nsinit criu restore -d`: snapshot.nsinit
+  is PID 1 of a new namespace and, once criu is done, the copy's parent, so the copy keeps its
+  original PID inside while any number of copies of one image run at once, and its exit status
+  is known (criu as PID 1 would reap it and exit with 0 whatever it was). Killing that init kills
+  the whole namespace, and --kill-child kills it when unshare dies. unshare dies with the process
+  that restored, or, given `dies_with`, outlives it: the init then ends the copy when that
+  process (the graph) is gone.
+- A dumped process must not have a parent-death signal set: CRIU restores it, and with -d criu
+  (the copy's first parent) exits right after the restore, which would deliver it.
 - Open files are reopened by path at restore, and CRIU refuses a regular file whose size changed
   since the dump ("has bad size"): a log the original (or a first copy) kept writing to cannot be
   reopened. A pipe to a parent that is not dumped is dumped too, but restored as a pipe nobody reads
@@ -45,6 +49,7 @@ whose files do not match it, naming the file.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -52,6 +57,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -59,7 +65,7 @@ from typing import Annotated
 
 import msgspec
 
-from components.graph.spawn import die_with_parent
+from components.graph.spawn import die_with_parent, graph_output
 from snapshot.criu import criu_version, find_criu
 from snapshot.manifest import SnapshotCorrupt, SnapshotError, _open_member, check_files, open_dir
 
@@ -67,6 +73,8 @@ IMAGE_MANIFEST = "criu-image.json"
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 RESUMED = "resumed"  # written by the post-resume action script: the copy's PID inside its namespace
+EXIT_STATUS = "exit"  # written by snapshot.nsinit: the copy's exit code
+NSINIT = Path(__file__).with_name("nsinit.py")
 MANIFEST_MAX_BYTES = 1 << 20
 # Logged by criu in every run as root inside a PID namespace, and harmless.
 _NOISE = ("RLIMIT_NOFILE",)
@@ -211,7 +219,8 @@ class Restored:
 
     def __init__(self, unshare: subprocess.Popen, init_pidfd: int, pid: int, ns_pid: int, workdir: Path):
         self._unshare = unshare
-        self._init_pidfd = init_pidfd  # criu, PID 1 of the copy's namespace; a pidfd never hits a reused pid
+        self._init_pidfd = init_pidfd  # PID 1 of the copy's namespace; a pidfd never hits a reused pid
+        self._code: int | None = None
         self.pid, self.ns_pid, self.workdir = pid, ns_pid, workdir
 
     def running(self) -> bool:
@@ -219,13 +228,23 @@ class Restored:
 
     @property
     def returncode(self) -> int | None:
-        """None while the copy runs; once it ended, criu's exit status (0 whatever the copy's was:
-        criu reaped it; -9 when criu was killed)."""
-        return self._unshare.poll()
+        """None while the copy runs; once it ended, its exit code as Popen gives one (-N: killed
+        by signal N). A copy that the namespace's end killed (its init was killed, or gave up
+        waiting for it) has -9."""
+        return self._settle()
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Until the copy has ended (subprocess.TimeoutExpired after `timeout` seconds)."""
+    def _settle(self) -> int | None:
+        if self._code is None and self._unshare.poll() is not None:
+            try:
+                self._code = int((self.workdir / EXIT_STATUS).read_text())
+            except (OSError, ValueError):
+                self._code = -signal.SIGKILL
+        return self._code
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Until the copy has ended (subprocess.TimeoutExpired after `timeout` seconds); its code."""
         self._unshare.wait(timeout)
+        return self.returncode
 
     def kill(self) -> None:
         """Kill the copy and everything else in its namespace, and wait until all of it has ended."""
@@ -241,6 +260,7 @@ class Restored:
 
     def close(self) -> None:
         self.kill()
+        self._settle()  # before its status file goes
         if self._init_pidfd >= 0:
             os.close(self._init_pidfd)
             self._init_pidfd = -1
@@ -271,6 +291,16 @@ def _ns_pid(pid: int) -> int | None:
     return None
 
 
+def _descendants(pid: int, depth: int) -> list[int]:
+    kids = _children(pid)
+    return kids + [g for k in kids for g in (_descendants(k, depth - 1) if depth > 1 else [])]
+
+
+def _dup_high(fd: int) -> int:
+    """A duplicate of `fd` clear of the descriptors snapshot.nsinit moves what it holds to."""
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16)
+
+
 def restore(
     dir: str | os.PathLike,
     output=None,
@@ -278,13 +308,16 @@ def restore(
     criu: str | None = None,
     timeout: float = 60.0,
     manifest: ImageManifest | None = None,
+    dies_with: int = 0,
 ) -> Restored:
     """Verify the image's checksums, then restore a copy into a new PID namespace and return once
     it runs. `output`, a file object or descriptor, replaces what the process's stdout and stderr
     were open on at the dump; `stdin` what its stdin was. `manifest`: the image's, its checksums
-    verified already by the caller (verify_image). The copy dies with the process calling this.
-    CriuError (with criu's first error) when the restore fails; SnapshotCorrupt when the image
-    does not match its manifest."""
+    verified already by the caller (verify_image). The copy dies with the process calling this,
+    or, given `dies_with` (a pid: the graph), with that process instead, outliving this one (its
+    namespace's init then holds what the copy watches: snapshot.nsinit). CriuError (with criu's
+    first error) when the restore fails; SnapshotCorrupt when the image does not match its
+    manifest."""
     criu = criu or find_criu()
     if not criu:
         raise CriuError("criu not found (`make install` unpacks it into .venv)")
@@ -293,37 +326,55 @@ def restore(
     inherit: list[str] = []
     fds: list[int] = []
     if stdin is not None:
-        fds.append(os.dup(stdin if isinstance(stdin, int) else stdin.fileno()))
+        fds.append(_dup_high(stdin if isinstance(stdin, int) else stdin.fileno()))
         inherit += ["--inherit-fd", f"fd[{fds[-1]}]:{m.stdio[0]}"]
     if output is not None:
         fd = output if isinstance(output, int) else output.fileno()
         for res in dict.fromkeys(m.stdio[1:]):
             if res == m.stdio[0]:
+                for f in fds:
+                    os.close(f)
                 raise CriuError(
                     f"CRIU image {d}: stdout/stderr were on stdin's file ({res}) at the dump, so they cannot "
                     "be given another output (start the process with spawn())"
                 )
-            fds.append(os.dup(fd))
+            fds.append(_dup_high(fd))
             inherit += ["--inherit-fd", f"fd[{fds[-1]}]:{res}"]
     workdir = Path(tempfile.mkdtemp(prefix="criu-restore-"))
     script = workdir / "post-resume.sh"
     script.write_text(_ACTION_SCRIPT)
     script.chmod(0o755)
-    cmd = ["unshare", "--pid", "--kill-child", "--mount-proc", criu, "restore", "-D", str(d), "-W", str(workdir)]
-    cmd += ["-o", RESTORE_LOG, "--action-script", str(script), *inherit]
+    init = [sys.executable, "-I", "-S", str(NSINIT), "--pid", str(m.pid), "--status", str(workdir / EXIT_STATUS)]
+    held: list[int] = []
+    if dies_with:
+        try:
+            opened = [os.pidfd_open(dies_with), os.pidfd_open(os.getpid()), graph_output(dies_with)]
+        except ProcessLookupError:
+            for f in fds:
+                os.close(f)
+            raise CriuError(f"criu restore of {d}: pid {dies_with}, which the copy is to die with, is gone") from None
+        held = [_dup_high(f) for f in opened]
+        for f in opened:
+            os.close(f)
+        init += ["--graph-fd", str(held[0]), "--parent-fd", str(held[1]), "--output-fd", str(held[2])]
+    cmd = ["unshare", "--pid", "--kill-child", "--mount-proc", *init, "--", criu, "restore", "-d", "-D", str(d)]
+    cmd += ["-W", str(workdir), "-o", RESTORE_LOG, "--action-script", str(script), *inherit]
     try:
         with open(workdir / "unshare.err", "wb") as err:
-            # unshare dies with us, criu with unshare (--kill-child), and the namespace with criu.
+            # unshare and the namespace's init die with us (PDEATHSIG, --kill-child), or with the
+            # graph (`dies_with`, watched by that init; its own session: no signal to our
+            # process group reaches it).
             unshare = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
-                pass_fds=fds,
-                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
+                pass_fds=fds + held,
+                start_new_session=bool(dies_with),
+                preexec_fn=None if dies_with else functools.partial(die_with_parent, signal.SIGKILL),
             )
     finally:
-        for fd in fds:
+        for fd in fds + held:
             os.close(fd)
     deadline = time.monotonic() + timeout
     while not (workdir / RESUMED).exists():
@@ -338,8 +389,14 @@ def restore(
             raise CriuError(f"criu restore of {d} failed: {why} (logs: {workdir})")
         time.sleep(0.005)
     ns_pid = int((workdir / RESUMED).read_text())
-    inits = _children(unshare.pid)
-    pids = [c for c in (_children(inits[0]) if inits else []) if _ns_pid(c) == ns_pid]
+    # The copy is criu's child until criu exits, then the init's: a look at the tree in between
+    # can miss it.
+    for _ in range(200):
+        inits = _children(unshare.pid)
+        pids = [c for c in (_descendants(inits[0], 2) if inits else []) if _ns_pid(c) == ns_pid]
+        if len(inits) == 1 and len(pids) == 1 or unshare.poll() is not None:
+            break
+        time.sleep(0.005)
     if len(inits) != 1 or len(pids) != 1:
         unshare.kill()
         unshare.wait()

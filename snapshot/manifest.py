@@ -79,6 +79,7 @@ class SnapshotManifest(SnapshotTarget, kw_only=True, forbid_unknown_fields=True)
     # The criu tier: the CRIU that dumped <snapshot>/criu, the image's size, and the bake's
     # seconds up to the dump.
     criu_version: str = ""
+    cuda_version: str = ""  # torch.version.cuda of the worker baked on CUDA (device and driver: compared fields)
     image_bytes: int = 0
     bake_seconds: float = 0.0
 

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The children below print "ready" once set up, then, on each SIGUSR1, serve one connection on a
 # new unix socket whose random name they print: a copy restored from an image opens its own
 # socket, after the restore, and says where on its own output. One command a line, `handle`
-# answers it; "bye" ends the connection.
+# answers it; "bye" ends the connection, "exit N" the process.
 SERVE = r"""
 import os, signal, socket, sys
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
@@ -52,6 +52,8 @@ while True:
         for line in f:
             if line.strip() == "bye":
                 break
+            if line.startswith("exit "):
+                os._exit(int(line.split()[1]))
             f.write(handle(line.strip()) + "\n")
             f.flush()
 """
@@ -239,8 +241,8 @@ def test_two_copies_of_one_image(image, work):
 
 
 def test_a_copy_dies_with_the_process_that_restored_it(image, work):
-    """unshare dies with the restoring process (PDEATHSIG), criu with unshare (--kill-child), and
-    the copy with criu, the init of its PID namespace: a killed capacity provider leaves no worker."""
+    """unshare dies with the restoring process (PDEATHSIG), the init of the copy's PID namespace
+    with unshare (--kill-child), and the copy with that init: a killed restorer leaves no copy."""
     img, _, _ = image
     code = (
         "import sys, time\n"
@@ -263,6 +265,89 @@ def test_a_copy_dies_with_the_process_that_restored_it(image, work):
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid)
+
+
+def test_a_copys_exit_status_is_reported(image, work):
+    """The copy's own status, not criu's: the namespace's init (snapshot.nsinit) is its parent."""
+    img, _, _ = image
+    log = work / "status.log"
+    with open(log, "ab") as out, restore(img, output=out) as c:
+        s = Session(c.pid, log)
+        s.f.write("exit 3\n")
+        s.f.flush()
+        assert c.wait(30) == 3 and c.returncode == 3
+    with open(log, "ab") as out, restore(img, output=out) as c:
+        os.kill(c.pid, signal.SIGKILL)
+        assert c.wait(30) == -signal.SIGKILL
+    with open(log, "ab") as out, restore(img, output=out) as c:
+        pass
+    assert c.returncode == -signal.SIGKILL  # closed while running: killed with its namespace
+
+
+def test_the_provider_sees_a_restored_copys_exit_status(image):
+    """What LocalProvider holds for a restored joiner (spawn.adopt's Child) reports how it ended."""
+    import asyncio
+
+    from components.graph.component import ProcessSpec
+    from components.graph.spawn import adopt
+
+    img, _, _ = image
+
+    async def run(end) -> int | None:
+        r, w = os.pipe()
+        try:
+            restored = restore(img, output=w)
+        finally:
+            os.close(w)
+        child = await adopt(ProcessSpec(label="copy", argv=[]), restored, r)
+        end(restored)
+        code = await asyncio.wait_for(child.proc.wait(), 30)
+        assert child.proc.returncode == code and not child.alive()
+        return code
+
+    assert asyncio.run(run(lambda c: os.kill(c.pid, signal.SIGKILL))) == -signal.SIGKILL
+    assert asyncio.run(run(lambda c: os.kill(c.pid, signal.SIGTERM))) == -signal.SIGTERM
+
+
+def test_a_copy_given_a_graph_outlives_its_restorer_and_ends_with_the_graph(image, work):
+    """restore(dies_with=graph): the copy is not tied to the restoring process (a router restart
+    keeps it) but to the graph, whose end SIGTERMs it."""
+    img, _, _ = image
+    graph = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    code = (
+        "import sys, time\n"
+        "from snapshot.criu_image import restore\n"
+        "c = restore(sys.argv[1], output=open(sys.argv[2], 'ab'), dies_with=int(sys.argv[3]))\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(img), str(work / "kept.log"), str(graph.pid)],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        pid = int(p.stdout.readline())
+        p.kill()
+        p.wait()
+        time.sleep(1.0)
+        assert alive(pid)  # the restorer is gone, the copy serves on
+        s = Session(pid, work / "kept.log")
+        assert s.ask("state") == "serving 2"
+        s.close()
+        graph.kill()
+        graph.wait()
+        deadline = time.monotonic() + 30
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid)
+    finally:
+        for q in (p, graph):
+            if q.poll() is None:
+                q.kill()
+                q.wait()
 
 
 def test_tampered_image_refused(image, tmp_path):

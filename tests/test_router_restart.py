@@ -145,3 +145,56 @@ def test_a_commit_the_killed_router_left_half_done_is_completed_by_the_next(serv
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
     assert scale(server, 3)["phase"] == "done"
+
+
+@pytest.fixture
+def restoring(server, tmp_path_factory):
+    """A deployment whose joiners are restored from a criu-tier snapshot (the module's server
+    stopped first: one graph at a time on this machine)."""
+    from snapshot.bake import bake
+
+    server.stop()
+    root = tmp_path_factory.mktemp("snapshots")
+    bake(root / "worker", tier="criu", max_ranks=2, progress=False)
+    srv = Server(
+        ["--Worker.max_ranks=2", "--Worker.dp_size=1", f"--Worker.snapshot_root={root}", "--Planner.enabled=false"]
+    )
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_a_restored_joiner_outlives_the_router_and_is_adopted(restoring, reference):
+    """A joiner restored from a snapshot image is tied to the graph, not to the router that
+    restored it (as a cold joiner): the next router adopts it serving, and it ends with the graph."""
+    srv = restoring
+    up = scale(srv, 2)
+    assert up["phase"] == "done" and up["joined_from"] == {"1": "snapshot"}, up["snapshot_refused"]
+    before = srv.topology()
+    pid = {r["rank"]: r["pid"] for r in before["ranks"]}[1]
+    old = router_pids(srv)[-1]
+    with Traffic(srv, PROMPTS, MAX_TOKENS, clients=4) as traffic:
+        time.sleep(1.0)
+        os.kill(old, signal.SIGKILL)
+        wait_router_back(srv, old)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the restored rank served under the new router
+            ranks = {r["rank"]: r for r in srv.topology()["ranks"]}
+            if ranks[1]["requests_total"] >= {r["rank"]: r for r in before["ranks"]}[1]["requests_total"] + 2:
+                break
+            time.sleep(0.2)
+    assert f"adopted epoch {before['epoch']}: ranks [0, 1] active, none parked, none stopped" in srv.output
+    after = {r["rank"]: r for r in srv.topology()["ranks"]}
+    assert after[1]["pid"] == pid and after[1]["started_from"] == "snapshot" and after[1]["state"] == "ACTIVE"
+    assert alive(pid)
+    # Its output went through the killed router: it now writes where the graph does (a log file
+    # here, which it must not share: /dev/null), having seen that router go.
+    assert os.readlink(f"/proc/{pid}/fd/1") == os.readlink(f"/proc/{pid}/fd/2") == "/dev/null"
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    srv.stop()
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid)

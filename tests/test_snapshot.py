@@ -20,6 +20,7 @@ from snapshot.manifest import (
     SnapshotExists,
     SnapshotManifest,
     SnapshotMismatch,
+    SnapshotTarget,
     check_compatible,
     load_manifest,
     verify,
@@ -251,6 +252,15 @@ def test_other_model_and_max_ranks_are_refused(builtin_snap, builtin_target, sto
         r"max_ranks is 4 in the snapshot, 8 here$",
     ):
         check_compatible(builtin_snap[0], other)
+    # A CUDA image restores only on the GPU and driver it was baked on.
+    baked = msgspec.structs.replace(m, device_type="NVIDIA H200", driver_version="13000")
+    here = msgspec.structs.replace(baked, device_type="NVIDIA H100 80GB HBM3", driver_version="12080")
+    with pytest.raises(
+        SnapshotMismatch,
+        match=r"device_type is 'NVIDIA H200' in the snapshot, 'NVIDIA H100 80GB HBM3' here; "
+        r"driver_version is 13000 in the snapshot, 12080 here$",
+    ):
+        check_compatible(baked, SnapshotTarget(**{f: getattr(here, f) for f in SnapshotTarget.__struct_fields__}))
 
     ok, refused = find_compatible(builtin_target, store)
     assert [i.path for i in ok] == [str(builtin_snap[0])]

@@ -25,7 +25,14 @@ from typing import Protocol
 
 import msgspec
 
-from components.graph.component import COMPONENT_ENV, GRAPH_ENV, GraphContext, ProcessSpec, encode_context
+from components.graph.component import (
+    COMPONENT_ENV,
+    GRAPH_ENV,
+    GRAPH_PID_ENV,
+    GraphContext,
+    ProcessSpec,
+    encode_context,
+)
 from components.graph.spawn import Child, adopt, spawn
 from components.protocol.config import WorkerConfig
 from components.worker import FAULT_ENV, Worker
@@ -80,7 +87,8 @@ class LocalProvider:
     """Joining ranks as processes on this host, output prefixed like `dynamo serve` does; ranks
     that left are parked and restored first. A new rank is restored from a criu-tier snapshot
     under Worker.snapshot_root that fits the deployment and passes its checksums (each copy in its
-    own PID namespace, so one image serves any number of joiners at once), else cold-started."""
+    own PID namespace, so one image serves any number of joiners at once; on CUDA one at a time,
+    its CUDA state restored after the CRIU restore), else cold-started."""
 
     def __init__(self, ctx: GraphContext):
         self.ctx = ctx
@@ -97,6 +105,7 @@ class LocalProvider:
             # config): imported now, not inside the first scale-up's starting phase.
             threading.Thread(target=_import_snapshot_choice, name="snapshot-imports", daemon=True).start()
         self.adopted: dict[int, int] = {}  # rank -> pid: joiners an earlier router started
+        self.cuda_copies: set[int] = set()  # ranks restored from a CUDA image (one at a time)
 
     @functools.cached_property
     def checkpoints_parked(self) -> bool:
@@ -181,8 +190,6 @@ class LocalProvider:
         root = self.wcfg.snapshot_root
         if not root:
             return None, ""
-        if self.wcfg.device != "cpu":
-            return None, f"Worker.device {self.wcfg.device}: joiners are restored from CRIU images on CPU only"
 
         def pick():
             from components.worker import model_source, rank_config
@@ -193,6 +200,12 @@ class LocalProvider:
             ok, why = criu_status()
             if not ok:
                 return None, why
+            if self.wcfg.device == "cuda":
+                from snapshot import cuda_checkpoint
+
+                ok, why = cuda_checkpoint.available()
+                if not ok:
+                    return None, f"a CUDA image cannot be restored here: {why}"
             target = target_for(model_source(self.wcfg)[0], rank_config(self.wcfg, 0))
             found, refused = find_compatible(target, root, tiers=("criu",))
             for reason in refused.values():
@@ -218,10 +231,22 @@ class LocalProvider:
         """Restore rank `rank` from `snap` if given (falling back to a cold start when that
         fails), else cold-start it. Returns (its process, "snapshot" | "new")."""
         spec = Worker.rank_process(rank, join=True)
+        if snap is not None and self.wcfg.device == "cuda":
+            busy = [r for r in self.cuda_copies if self.alive(r)]
+            self.cuda_copies = set(busy)
+            if busy:
+                # The CUDA driver holds an abstract unix socket named after the baked process's
+                # PID namespace and PID: every copy restores it, and in one network namespace
+                # the second copy's restore fails to bind it. Until each copy has a network
+                # namespace of its own, one restored CUDA copy at a time.
+                snap, why = None, f"Worker.{busy[0]} runs restored from a CUDA image: one such copy at a time"
+            else:
+                self.cuda_copies.add(rank)
         if snap is not None:
             try:
                 return await self._restore(rank, spec, env, snap), "snapshot"
             except Exception as e:  # criu's reason; the rank still joins, cold
+                self.cuda_copies.discard(rank)
                 why = f"snapshot {snap.path}: restore failed: {e}"
                 log.warning("[op %s] Worker.%d: %s; cold start instead", op, rank, why)
         if why:
@@ -242,10 +267,23 @@ class LocalProvider:
         restored = None
         try:
             t0 = time.perf_counter()
+            # Like a cold joiner, it outlives this router and dies with the graph.
             restored = await asyncio.to_thread(
-                restore, image, output=out_w, stdin=stdin_r, manifest=verify_image(image, checksums=False)
+                restore,
+                image,
+                output=out_w,
+                stdin=stdin_r,
+                manifest=verify_image(image, checksums=False),
+                dies_with=int(env.get(GRAPH_PID_ENV) or 0),
             )
             log.info("Worker.%d: criu restore took %.3f s", rank, time.perf_counter() - t0)
+            if self.wcfg.device == "cuda":
+                from snapshot import cuda_checkpoint
+
+                t = await asyncio.to_thread(cuda_checkpoint.restore, restored.pid)
+                log.info(
+                    "Worker.%d: CUDA state restored in %.3f s, unlocked in %.3f s", rank, t["restore"], t["unlock"]
+                )
             who = RestoreIdentity(
                 rank=rank,
                 pid=restored.pid,
@@ -319,7 +357,8 @@ class LocalProvider:
         except OSError:
             log.info("[op %s] Worker.%d (pid %d) is already gone", op, rank, pid)
             return
-        if b"components.worker" in argv and str(rank).encode() in argv:
+        # A copy restored from a snapshot image has the baked process's argv (`--bake`).
+        if b"components.worker" in argv and (str(rank).encode() in argv or b"--bake" in argv):
             os.kill(pid, signal.SIGKILL)
             log.warning("[op %s] Worker.%d (pid %d) fenced: SIGKILL", op, rank, pid)
 

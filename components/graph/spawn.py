@@ -11,6 +11,7 @@ import asyncio
 import collections
 import os
 import signal
+import stat
 import sys
 
 from components.graph.component import ProcessSpec
@@ -61,8 +62,7 @@ class Child:
 
 class RestoredProcess:
     """A process restored from a CRIU image (snapshot.criu_image.Restored) as Child sees a
-    process: its pid from here, an exit status (criu's: 0 however the copy ended), wait(), and
-    the pipe its output comes through."""
+    process: its pid from here, its exit status, wait(), and the pipe its output comes through."""
 
     def __init__(self, restored, stdout: asyncio.StreamReader) -> None:
         self.restored, self.stdout = restored, stdout
@@ -99,6 +99,19 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+def graph_output(graph: int) -> int:
+    """A descriptor on `graph`'s stdout for a process that must write there once its own reader
+    is gone: a pipe or a terminal takes lines from two writers, but a regular file opened by
+    someone else would have them overwritten at its writer's offset (then /dev/null)."""
+    out = f"/proc/{graph}/fd/1"
+    try:
+        if not stat.S_ISREG(os.stat(out).st_mode):
+            return os.open(out, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        pass
+    return os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
 
 
 async def spawn(spec: ProcessSpec, env: dict[str, str], with_parent: bool = True) -> Child:

@@ -1,0 +1,90 @@
+"""PID 1 of a restored copy's namespace: runs `criu restore -d`, becomes the copy's parent, and
+reports how the copy ended.
+
+    unshare --pid --fork --kill-child --mount-proc python -I -S nsinit.py --pid N --status FILE
+        [--graph-fd FD --parent-fd FD --output-fd FD] -- criu restore -d ...
+
+Why an init of our own rather than criu as PID 1 (`criu restore` without -d): criu reaps the
+copy and exits with 0 however it ended, so a killed or failed copy looked like a clean exit.
+With -d criu leaves the restored tree to the namespace's init, this process, which waits for the
+copy and writes its exit code (waitstatus_to_exitcode: -N for signal N) to FILE, then exits with
+it (128+N for a signal): the copy's status reaches whoever waits for `unshare`.
+
+The copy dies with the namespace: the kernel kills every process in it once its init exits.
+Given --graph-fd (a pidfd of the process the copy must not outlive: `dynamo serve`), this init
+SIGTERMs the copy when that process is gone and exits after GRACE_S at most. It holds that pidfd,
+a pidfd of the process that restored the copy (--parent-fd) and the graph's output (--output-fd)
+at the fixed descriptors below, where the copy takes them (components.worker: pidfd_getfd on
+PID 1, /proc/1/fd/OUTPUT_FD) to watch them as a cold joiner watches its graph and its router.
+
+Stdlib only, run with -I -S: it starts in tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+GRAPH_FD, PARENT_FD, OUTPUT_FD = 3, 4, 5
+GRACE_S = 10.0
+
+
+def _hold(fds: dict[int, int]) -> None:
+    """Move each given descriptor (value; all above 15, snapshot.criu_image) to its fixed number
+    (key)."""
+    for k, v in fds.items():
+        if v >= 0:
+            os.dup2(v, k, inheritable=False)
+            os.close(v)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--pid", type=int, required=True, help="the restored copy's PID (in this namespace)")
+    p.add_argument("--status", required=True, help="file the copy's exit code is written to")
+    p.add_argument("--graph-fd", type=int, default=-1)
+    p.add_argument("--parent-fd", type=int, default=-1)
+    p.add_argument("--output-fd", type=int, default=-1)
+    p.add_argument("criu", nargs=argparse.REMAINDER)
+    a = p.parse_args()
+    argv = a.criu[1:] if a.criu[:1] == ["--"] else a.criu
+    _hold({GRAPH_FD: a.graph_fd, PARENT_FD: a.parent_fd, OUTPUT_FD: a.output_fd})
+    # criu gets the descriptors it is to hand the copy (--inherit-fd, all above 15), not these.
+    r = subprocess.run(argv, stdin=subprocess.DEVNULL, close_fds=False)
+    if r.returncode != 0:
+        return r.returncode
+    try:
+        copy = os.pidfd_open(a.pid)
+    except ProcessLookupError:  # resumed and already gone: its zombie is ours to reap
+        copy = -1
+    deadline = None
+    watch = [copy] if copy >= 0 else []
+    if a.graph_fd >= 0:
+        watch.append(GRAPH_FD)
+    while watch:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select(watch, [], [], timeout)
+        if copy in ready:
+            break
+        if GRAPH_FD in ready:
+            watch.remove(GRAPH_FD)
+            os.kill(a.pid, signal.SIGTERM)
+            deadline = time.monotonic() + GRACE_S
+        elif not ready:  # the grace ran out: exiting kills the copy
+            return 128 + signal.SIGKILL
+    _, st = os.waitpid(a.pid, 0)
+    code = os.waitstatus_to_exitcode(st)
+    tmp = a.status + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(code))
+    os.rename(tmp, a.status)
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
