@@ -62,6 +62,8 @@ def main() -> None:
         help="Worker.max_len, baked and served (given: not computed from free memory, which differs "
         "between the baker and the router; default: %(default)s)",
     )
+    p.add_argument("--model", default="", help="Worker.model, baked and served (default: the built-in model)")
+    p.add_argument("--dtype", default="", help="Worker.dtype, baked and served (default: the checkpoint's)")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/join.json (join_cuda.json on cuda)")
     p.add_argument("graph_args", nargs="*", help="more `dynamo serve` options (after --), e.g. --Worker.max_seqs=8")
     args = p.parse_args()
@@ -72,7 +74,14 @@ def main() -> None:
     root.mkdir()
     t0 = time.perf_counter()
     snap, m = bake(
-        tmp / "snap", tier="criu", device=args.device, max_ranks=args.max_ranks, max_len=args.max_len, progress=True
+        tmp / "snap",
+        args.model or None,
+        tier="criu",
+        device=args.device,
+        dtype=args.dtype,
+        max_ranks=args.max_ranks,
+        max_len=args.max_len,
+        progress=True,
     )
     baked = {"wall_s": time.perf_counter() - t0, "image_bytes": m.image_bytes, "snapshot_id": m.snapshot_id}
     if args.device == "cuda":
@@ -84,6 +93,8 @@ def main() -> None:
         f"--Worker.snapshot_root={root}",
         f"--Worker.max_len={args.max_len}",
         *([f"--Worker.device={args.device}", "--Worker.vmm=true"] if args.device == "cuda" else []),
+        *([f"--Worker.model={args.model}"] if args.model else []),
+        *([f"--Worker.dtype={args.dtype}"] if args.dtype else []),
         *args.graph_args,
     ]
     out = args.out or Path("bench/results/join_cuda.json" if args.device == "cuda" else "bench/results/join.json")

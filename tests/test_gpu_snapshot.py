@@ -55,6 +55,7 @@ def test_a_joiner_restored_from_a_cuda_snapshot_serves_the_reference(tmp_path, m
         [
             "--Worker.device=cuda",
             "--Worker.vmm=true",
+            "--Worker.dp_size=1",
             "--Worker.max_ranks=2",
             "--Worker.max_seqs=8",
             f"--Worker.max_len={MAX_LEN}",

@@ -29,17 +29,15 @@ class DecodeGraphs:
     def __init__(self, model, kv: KVCache, batch_sizes: list[int], scratch_slot: int):
         self.model, self.kv = model, kv
         self.sizes = sorted(batch_sizes)
+        self.scratch_slot = scratch_slot  # KV slot that padded rows write into
         dev = model.lm_head.weight.device
         B, H = self.sizes[-1], model.cfg.hidden_size
         dtype = model.lm_head.weight.dtype
-        # The graphs' inputs, laid out as ForwardBatch.packed_indices() of a decode batch (ids,
-        # positions, token slots, slots, context lengths, last indices), so that one copy brings a
-        # step's in. `pad` is what padded rows hold: they attend over one scratch token, and their
-        # last index of -1 marks them as padding, never dispatched.
-        col = torch.tensor([0, 0, scratch_slot, scratch_slot, 1, -1], dtype=torch.int64, device=dev)
-        self.pad = col.unsqueeze(1).expand(6, B).contiguous()
-        self.inputs = self.pad.clone()
-        self.ids, self.pos, _, self.slots, self.ctx, self.last = self.inputs.unbind(0)
+        self.ids = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.slots = torch.full((B,), scratch_slot, dtype=torch.int64, device=dev)
+        self.ctx = torch.ones(B, dtype=torch.int64, device=dev)
+        self.valid = torch.zeros(B, dtype=torch.bool, device=dev)  # real rows; padding is never dispatched
         blocks = list(model.model.layers)
         self.cuts = [i for i, b in enumerate(blocks) if b.moe is not None]
         self.moes = [blocks[i].moe for i in self.cuts]
@@ -94,7 +92,7 @@ class DecodeGraphs:
                     if blocks[i].moe is not None:
                         self.h[k][:b].copy_(h)
                         self.n[k][:b].copy_(n)
-                        layouts[k] = blocks[i].moe.dispatch(self.n[k][:b], self.last[:b] >= 0)
+                        layouts[k] = blocks[i].moe.dispatch(self.n[k][:b], self.valid[:b])
                         return
                     x = h + blocks[i].ffn(n)
                 self.logits[:b].copy_(m.lm_head(m.model.norm(x)).float())
@@ -149,9 +147,16 @@ class DecodeGraphs:
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         real = len(batch.q_lens)
         b = next(s for s in self.sizes if s >= real)
-        self.inputs[:, :real].copy_(batch.packed_indices().view(6, real))
-        if b > real:
-            self.inputs[:, real:b].copy_(self.pad[:, real:b])
+        self.ids[:real].copy_(batch.input_ids)
+        self.pos[:real].copy_(batch.positions)
+        self.slots[:real].copy_(batch.slots)
+        self.ctx[:real].copy_(batch.ctx_lens)
+        # Padded rows attend over one scratch token and are never dispatched.
+        self.slots[real:b].fill_(self.scratch_slot)
+        self.pos[real:b].zero_()
+        self.ctx[real:b].fill_(1)
+        self.valid[:real].fill_(True)
+        self.valid[real:b].fill_(False)
         self.model.ep.sync_mask()
         graphs, layouts = self.graphs[b], self.dispatch[b]
         self.replays += 1

@@ -27,15 +27,6 @@ class ForwardBatch:
     ctx_lens_list: list[int]
     slots_list: list[int]  # `slots` on the host: prefill slices by it without a device sync
     kv_len: int  # keys read per decode sequence: max context here, the whole cache under a graph
-    # The six index tensors above in one device tensor, in field order (ids, positions, token
-    # slots, slots, context lengths, last indices), as the scheduler copied them in; None: apart.
-    packed: torch.Tensor | None = None
-
-    def packed_indices(self) -> torch.Tensor:
-        if self.packed is not None:
-            return self.packed
-        parts = (self.input_ids, self.positions, self.token_slots, self.slots, self.ctx_lens, self.last_index)
-        return torch.cat(parts)
 
     @property
     def decode_only(self) -> bool:

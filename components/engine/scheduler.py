@@ -90,25 +90,21 @@ class Scheduler:
             ctx.append(start + n)
 
         slots = [s.slot for s, _ in work]
-        T, B = len(ids), len(slots)
-        # One copy to the device for all six (each copy from pageable memory waits for the device
-        # and costs tens of microseconds), from pinned memory so that it does not block.
-        host = torch.tensor(ids + pos + tslots + slots + ctx + last, dtype=torch.int64)
-        device = torch.device(device)
-        packed = host.to(device) if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
-        input_ids, positions, token_slots, slots_t, ctx_t, last_t = packed.split([T, T, T, B, B, B])
+
+        def t(v):
+            return torch.tensor(v, dtype=torch.int64, device=device)
+
         return ForwardBatch(
-            input_ids=input_ids,
-            positions=positions,
-            token_slots=token_slots,
-            slots=slots_t,
-            ctx_lens=ctx_t,
-            last_index=last_t,
+            input_ids=t(ids),
+            positions=t(pos),
+            token_slots=t(tslots),
+            slots=t(slots),
+            ctx_lens=t(ctx),
+            last_index=t(last),
             q_lens=[n for _, n in work],
             ctx_lens_list=ctx,
             slots_list=slots,
             kv_len=graph_len or max(ctx),
-            packed=packed,
         )
 
     def update(self, work: list[tuple[Sequence, int]], next_tokens: list[int | None]) -> None:
