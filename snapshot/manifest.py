@@ -259,10 +259,23 @@ def _entries(dfd: int, prefix: str = "") -> set[str]:
     return out
 
 
+# Files whose sha256 this process computed, by what identifies that content on disk: device,
+# inode, size, modification and change times. Any write changes the change time, which no call
+# can set back, so an unchanged key is the same content and its hash is not recomputed (a CUDA
+# image of GBs takes seconds to hash; each joiner restored from it checks it again).
+_hashed: dict[tuple[int, ...], str] = {}
+
+
+def _content_key(fd: int) -> tuple[int, ...]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def check_files(dfd: int, label: str, files: dict[str, str], manifest_name: str, unlisted=frozenset()) -> None:
-    """Recompute the sha256 of every file `files` lists below the open directory `dfd`, and refuse
-    any file it does not list (but the manifest `manifest_name` and the top-level names in
-    `unlisted`); SnapshotCorrupt names the first bad file ("`label`: name: why")."""
+    """Check the sha256 of every file `files` lists below the open directory `dfd` (recomputed
+    unless this process hashed that very content before), and refuse any file it does not list
+    (but the manifest `manifest_name` and the top-level names in `unlisted`); SnapshotCorrupt
+    names the first bad file ("`label`: name: why")."""
     for name, digest in sorted(files.items()):
         where = f"{label}: {name}"
         try:
@@ -271,9 +284,11 @@ def check_files(dfd: int, label: str, files: dict[str, str], manifest_name: str,
             raise SnapshotCorrupt(f"{where}: missing (listed in {manifest_name})") from None
         try:
             with open(fd, "rb") as f:
-                actual = hashlib.file_digest(f, "sha256").hexdigest()
+                key = _content_key(f.fileno())
+                actual = _hashed.get(key) or hashlib.file_digest(f, "sha256").hexdigest()
         except OSError as e:
             raise SnapshotCorrupt(f"{where}: unreadable ({e.strerror or e})") from None
+        _hashed[key] = actual
         if actual != digest:
             raise SnapshotCorrupt(f"{where}: checksum mismatch (tampered or corrupt)")
     try:

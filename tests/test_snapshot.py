@@ -96,6 +96,38 @@ def test_bake_builtin_verifies_and_matches_its_deployment(builtin_snap, builtin_
     assert set(warm["steps_s"]) >= {"load_skeleton", "warmup"}
 
 
+def test_checksums_are_not_recomputed_for_unchanged_files(builtin_snap, tmp_path, monkeypatch):
+    """Each joiner restored from one image verifies it: the second time, files whose content is
+    unchanged on disk are not hashed again, and a byte flipped in place is still found, even
+    with the modification time set back (the change time moves whatever a writer does)."""
+    import hashlib
+    import os
+    import shutil
+
+    from snapshot import manifest
+
+    src, _ = builtin_snap
+    d = tmp_path / "copy"
+    shutil.copytree(src, d)
+    verify(d)
+    hashed = []
+    digest = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda f, algo: hashed.append(f.name) or digest(f, algo))
+    verify(d)
+    assert hashed == []
+    f = d / "engine.json"
+    st = f.stat()
+    with open(f, "r+b") as w:
+        w.seek(10)
+        b = w.read(1)
+        w.seek(10)
+        w.write(bytes([b[0] ^ 1]))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(SnapshotCorrupt, match=r"engine\.json: checksum mismatch"):
+        verify(d)
+    assert len(hashed) == 1 and manifest._hashed
+
+
 def test_tampered_file_is_named(builtin_snap, tmp_path):
     import shutil
 

@@ -77,12 +77,6 @@ class CapacityProvider(Protocol):
     async def close(self) -> None: ...
 
 
-def _import_snapshot_choice() -> None:
-    import snapshot.bake  # noqa: F401
-    import snapshot.store  # noqa: F401
-    from components.engine import rank  # noqa: F401
-
-
 class LocalProvider:
     """Joining ranks as processes on this host, output prefixed like `dynamo serve` does; ranks
     that left are parked and restored first. A new rank is restored from a criu-tier snapshot
@@ -101,9 +95,12 @@ class LocalProvider:
         self.restored: dict[int, int] = {}  # rank -> pid
         self.refused: dict[int, str] = {}
         if self.wcfg.snapshot_root:
-            # Choosing a snapshot computes what the deployment expects of one (torch, the model's
-            # config): imported now, not inside the first scale-up's starting phase.
-            threading.Thread(target=_import_snapshot_choice, name="snapshot-imports", daemon=True).start()
+            # Choosing a snapshot imports torch, reads the model's config and hashes every image
+            # file (seconds for a CUDA image of GBs): done once now, so the first scale-up's
+            # starting phase finds the imports done and the checksums cached (manifest.verify).
+            choose = threading.Thread(target=self._choose_snapshot, args=("startup",), name="snapshot-choice")
+            choose.daemon = True
+            choose.start()
         self.adopted: dict[int, int] = {}  # rank -> pid: joiners an earlier router started
         self.cuda_copies: set[int] = set()  # ranks restored from a CUDA image (one at a time)
 
@@ -184,6 +181,32 @@ class LocalProvider:
             raise failed[0]
         return how
 
+    def _choose_snapshot(self, op: str):
+        """The newest criu-tier snapshot under Worker.snapshot_root that fits and passes its
+        checksums, or None and why not (blocking: run off the event loop)."""
+        from components.worker import model_source, rank_config
+        from snapshot.bake import target_for
+        from snapshot.criu import criu_status
+        from snapshot.store import find_compatible
+
+        root = self.wcfg.snapshot_root
+        ok, why = criu_status()
+        if not ok:
+            return None, why
+        if self.wcfg.device == "cuda":
+            from snapshot import cuda_checkpoint
+
+            ok, why = cuda_checkpoint.available()
+            if not ok:
+                return None, f"a CUDA image cannot be restored here: {why}"
+        target = target_for(model_source(self.wcfg)[0], rank_config(self.wcfg, 0))
+        found, refused = find_compatible(target, root, tiers=("criu",))
+        for reason in refused.values():
+            log.warning("[op %s] %s", op, reason)
+        if found:
+            return found[0], ""
+        return None, "; ".join(refused.values()) or f"no criu-tier snapshot under {root}"
+
     async def _snapshot(self, op: str):
         """The criu-tier snapshot new ranks are restored from (a SnapshotInfo, its checksums
         verified), or None and why not ("" when no snapshot_root is configured)."""
@@ -191,31 +214,8 @@ class LocalProvider:
         if not root:
             return None, ""
 
-        def pick():
-            from components.worker import model_source, rank_config
-            from snapshot.bake import target_for
-            from snapshot.criu import criu_status
-            from snapshot.store import find_compatible
-
-            ok, why = criu_status()
-            if not ok:
-                return None, why
-            if self.wcfg.device == "cuda":
-                from snapshot import cuda_checkpoint
-
-                ok, why = cuda_checkpoint.available()
-                if not ok:
-                    return None, f"a CUDA image cannot be restored here: {why}"
-            target = target_for(model_source(self.wcfg)[0], rank_config(self.wcfg, 0))
-            found, refused = find_compatible(target, root, tiers=("criu",))
-            for reason in refused.values():
-                log.warning("[op %s] %s", op, reason)
-            if found:
-                return found[0], ""
-            return None, "; ".join(refused.values()) or f"no criu-tier snapshot under {root}"
-
         t0 = time.perf_counter()
-        snap, why = await asyncio.to_thread(pick)
+        snap, why = await asyncio.to_thread(self._choose_snapshot, op)
         if snap is not None:
             log.info(
                 "[op %s] restoring joiners from snapshot %s (fits, checksums verified in %.2f s)",
