@@ -125,7 +125,7 @@ def test_a_commit_the_killed_router_left_half_done_is_completed_by_the_next(serv
     epochs, paused, the joiner staged, and commits the newest topology again under a new epoch."""
     assert scale(server, 3)["phase"] == "done"  # rank 3 parks
     epoch = server.topology()["epoch"]
-    r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_configure=6"})
+    r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_on=configure,stall_s=6"})
     assert r.status_code == 202, r.text
     with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
         deadline = time.monotonic() + 120
