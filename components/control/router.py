@@ -73,8 +73,13 @@ class Router(Component):
                 "worker whose weights are not in the VMM arena holds them all, and one whose "
                 "memory was exported for CUDA IPC cannot be restored"
             )
-        # Restarted when it dies: the ranks serve on meanwhile, and it adopts what they serve.
-        return [msgspec.structs.replace(s, restart=True) for s in super().processes(config, ctx)]
+        # Restarted when it dies or hangs: the ranks serve on meanwhile, and it adopts what they serve.
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+        health = f"http://{f'[{host}]' if ':' in host else host}:{config.port}/health"
+        return [
+            msgspec.structs.replace(s, restart=True, health_url=health, liveness_timeout_s=config.liveness_timeout_s)
+            for s in super().processes(config, ctx)
+        ]
 
 
 class ControlError(RuntimeError):

@@ -38,6 +38,12 @@ class ProcessSpec(msgspec.Struct):
     # the graph cannot rebuild, such as the router (it adopts the topology the ranks serve). One
     # that keeps dying soon after its start still stops the graph, with its reason.
     restart: bool = False
+    # Liveness: `dynamo serve` GETs this URL while the process runs, and one that has not answered
+    # (any HTTP status) for `liveness_timeout_s` is hung (stopped, deadlocked): it is SIGKILLed,
+    # and then restarted or reported like any other death. Probing starts at its first answer, so
+    # a long start is never taken for a hang.
+    health_url: str = ""
+    liveness_timeout_s: float = 5.0
 
 
 class GraphContext(msgspec.Struct):
