@@ -96,8 +96,9 @@ def test_the_latest_target_wins(monkeypatch):
 
     class Op:  # an operation that runs until the test lets it finish
         gate = asyncio.Event()
+        preempted = False  # no serving rank fails here
 
-        def __init__(self, req, topology, *rest):
+        def __init__(self, req, topology, *rest, **kw):
             self.req, self.topology = req, topology
             self.record = OpRecord(
                 id=f"to-{req.dp_size}",

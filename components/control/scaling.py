@@ -156,6 +156,10 @@ class Operation:
         )
         self.committed = False
         self.rolled_back = False
+        # Undoing itself (abort, rollback): a serving rank failing no longer cuts its calls short.
+        self.undoing = False
+        self.preempted = False  # cut short because a serving rank failed: the failover goes first
+        self._background: set[asyncio.Future] = set()
         self.pause_t0: float | None = None  # mode A: when serving stopped
 
     @property
@@ -186,13 +190,23 @@ class Operation:
 
     # ---- helpers -----------------------------------------------------------------------------
     async def call(self, ranks, make: Callable[[int], object], timeout: float | None = None) -> list[ControlReply]:
-        """Send a command to several ranks at once; fail fast when a joiner's process dies."""
+        """Send a command to several ranks at once; fail fast when a rank's process dies, or a
+        serving rank fails (the source of a pull among them)."""
         timeout = timeout or self.cfg.prepare_timeout_s
 
         async def one(r):
             task = asyncio.ensure_future(self.port.send(r, make(r)))
             deadline = time.monotonic() + timeout
             while not task.done():
+                failing = [] if self.undoing else self.failing_serving()
+                if failing:
+                    # The group stopped serving (its collectives wait for the failed rank): the
+                    # failover must not wait for this operation.
+                    task.cancel()
+                    self.preempted = True
+                    raise ScaleError(
+                        f"serving rank {failing[0]} failed during {self.phase.value}: the failover goes first"
+                    )
                 if self.provider.alive(r) is False or self.port.failed(r):
                     task.cancel()
                     raise ScaleError(f"rank {r} died during {self.phase.value}")
@@ -278,6 +292,10 @@ class Operation:
         log.info("[op %s] epoch %d committed: active %s, downtime %.1f ms", self.id, epoch, self.active, downtime * 1e3)
         return downtime
 
+    def failing_serving(self) -> list[int]:
+        """Serving ranks found dead or stalled since this operation began (not the ones it masks)."""
+        return [r for r in self.active if r not in self.failed and self.port.failed(r)]
+
     def _known(self, rank: int) -> bool:
         try:
             self.port.status(rank)
@@ -286,6 +304,7 @@ class Operation:
             return False
 
     async def rollback(self, involved, epoch: int, reason: str) -> None:
+        self.undoing = True
         old = self.topology
         log.error("[op %s] rolling back to ranks %s at epoch %d: %s", self.id, old.active, epoch, reason)
         reachable = [r for r in involved if self.provider.alive(r) is not False]
@@ -440,12 +459,21 @@ class Operation:
     async def abort(self, reason: str) -> None:
         """Undo a prepare: the serving group forgets the joiners, their processes go."""
         log.error("[op %s] aborting in %s: %s", self.id, self.phase.value, reason)
+        self.undoing = True
         t = self.cfg.commit_timeout_s
         if self.joiners:
-            await asyncio.gather(
-                *(self.call([r], lambda r: Disconnect(ranks=self.joiners), t) for r in self.active),
+            failing = self.failing_serving()
+            disconnect = asyncio.gather(
+                *(self.call([r], lambda r: Disconnect(ranks=self.joiners), t) for r in self.active if r not in failing),
                 return_exceptions=True,
             )
+            if failing:
+                # The survivors' step loops wait in a collective for the failed ranks, and their
+                # disconnect behind it, until the failover (next) masks those out: not awaited.
+                self._background.add(disconnect)
+                disconnect.add_done_callback(self._background.discard)
+            else:
+                await disconnect
             for j in self.joiners:
                 await self.provider.release(j, self.id, graceful=False)
                 self.port.forget(j)
@@ -562,6 +590,11 @@ class Scaler:
             result = await op.execute(self.owner.expert_load)
             self.current = None
             self.owner.operation_ended(op.record, result)
+            if op.preempted and not failed and self.pending is None:
+                # Cut short by a failed serving rank: tried again after the failover, and then
+                # it also replaces what failed.
+                log.info("[op %s] its target dp_size %d is requested again after the failover", op.id, req.dp_size)
+                self.pending = req
             if failed and op.record.phase != "done":
                 # A survivor failed too (it is found and joins `failing`): try again shortly.
                 await asyncio.sleep(self.cfg.status_interval_s)
