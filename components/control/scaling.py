@@ -22,9 +22,13 @@ import asyncio
 import enum
 import itertools
 import logging
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
+
+import msgspec
 
 from components.control.capacity import CapacityProvider
 from components.protocol.config import RouterConfig
@@ -129,8 +133,9 @@ class Operation:
         max_ranks: int,
         num_experts: int,
         failed: list[int] = (),
+        on_change: Callable[[OpRecord], None] = lambda record: None,
     ):
-        self.req, self.topology, self.load = req, topology, load
+        self.req, self.topology, self.load, self.on_change = req, topology, load, on_change
         self.port, self.provider, self.cfg, self.num_experts = port, provider, cfg, num_experts
         self.failed = sorted(failed)
         size = len(topology.active)
@@ -162,6 +167,12 @@ class Operation:
         self._background: set[asyncio.Future] = set()
         self.pause_t0: float | None = None  # mode A: when serving stopped
 
+    @classmethod
+    def number_after(cls, last: int) -> None:
+        """Number the next operations from `last` + 1 (a restarted router continues the ids of
+        the history it reloaded)."""
+        cls._ids = itertools.count(last + 1)
+
     @property
     def active(self) -> list[int]:
         return self.topology.active
@@ -187,6 +198,7 @@ class Operation:
         self.record.phase = new.value
         if new in _FINAL:
             self.record.total_s = round(now - self.t0, 6)
+        self.on_change(self.record)
 
     # ---- helpers -----------------------------------------------------------------------------
     async def call(self, ranks, make: Callable[[int], object], timeout: float | None = None) -> list[ControlReply]:
@@ -512,18 +524,71 @@ class Operation:
         return self.topology
 
 
+INTERRUPTED = "interrupted"  # an operation's phase once the router that ran it is gone
+HISTORY = 20  # operations kept in the history (and its journal)
+
+
+class OpJournal:
+    """The operation history as JSON lines, one line per record at each phase change (the last
+    line of an id wins), so that a router `dynamo serve` restarted shows the history and what its
+    predecessor left in flight. Appended without fsync: a killed process's writes survive it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def load(self) -> list[OpRecord]:
+        """The records, oldest first (the last `HISTORY`); the file is rewritten with only them."""
+        records: dict[str, OpRecord] = {}
+        try:
+            lines = self.path.read_bytes().splitlines()
+        except FileNotFoundError:
+            lines = []
+        for line in lines:
+            try:
+                rec = msgspec.json.decode(line, type=OpRecord)
+            except msgspec.DecodeError:  # a line torn by the kill, or not ours: skipped
+                continue
+            records.pop(rec.id, None)  # re-inserted: ordered by its latest line
+            records[rec.id] = rec
+        kept = sorted(records.values(), key=lambda r: r.started_at)[-HISTORY:]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in kept))
+        tmp.replace(self.path)
+        return kept
+
+    def save(self, record: OpRecord) -> None:
+        try:
+            with self.path.open("ab") as f:
+                f.write(msgspec.json.encode(record) + b"\n")
+        except OSError as e:  # the history is for people: losing a line must not fail the operation
+            log.warning("[op %s] could not journal its record to %s: %s", record.id, self.path, e)
+
+
 class Scaler:
     """Runs operations one at a time toward the latest requested size. While one runs, the
-    topology it has committed so far is the deployment's (`topology`)."""
+    topology it has committed so far is the deployment's (`topology`). With a `journal`, the
+    history outlives the router: a restarted one reloads it (`settle` then says how what was in
+    flight ended)."""
 
     def __init__(
-        self, owner: TopologyOwner, port: RankPort, provider: CapacityProvider, cfg: RouterConfig, max_ranks: int
+        self,
+        owner: TopologyOwner,
+        port: RankPort,
+        provider: CapacityProvider,
+        cfg: RouterConfig,
+        max_ranks: int,
+        journal: OpJournal | None = None,
     ):
         self.owner, self.port, self.provider, self.cfg, self.max_ranks = owner, port, provider, cfg, max_ranks
+        self.journal = journal
         self.pending: ScaleRequest | None = None
         self.failing: set[int] = set()  # serving ranks found dead, not yet failed over
         self.current: Operation | None = None
-        self.history: list[OpRecord] = []
+        self.history: list[OpRecord] = journal.load() if journal else []
+        numbers = [int(m.group(1)) for r in self.history if (m := re.match(r"op-(\d+)-", r.id))]
+        if numbers:
+            Operation.number_after(max(numbers))
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -540,6 +605,20 @@ class Scaler:
     async def wait_idle(self) -> OpRecord | None:
         await self._idle.wait()
         return self.history[-1] if self.history else None
+
+    def settle(self, outcome: str) -> None:
+        """The reloaded operations the last router left unfinished are over: `interrupted`, with
+        what the router that took over made of the deployment (`outcome`)."""
+        for rec in self.history:
+            if rec.phase not in {p.value for p in _FINAL} and rec.phase != INTERRUPTED:
+                rec.error = f"the router running it stopped in {rec.phase}; the next one {outcome}"
+                log.warning("[op %s] interrupted: %s", rec.id, rec.error)
+                rec.phase = INTERRUPTED
+                self._journal(rec)
+
+    def _journal(self, record: OpRecord) -> None:
+        if self.journal:
+            self.journal.save(record)
 
     def fail(self, ranks: list[int]) -> None:
         """Serving ranks found dead: a failover runs before any queued request (after the
@@ -583,10 +662,12 @@ class Scaler:
                 self.max_ranks,
                 self.owner.num_experts,
                 failed,
+                on_change=self._journal,
             )
             self.current = op
             self.history.append(op.record)
-            del self.history[:-20]
+            del self.history[:-HISTORY]
+            self._journal(op.record)
             result = await op.execute(self.owner.expert_load)
             self.current = None
             self.owner.operation_ended(op.record, result)

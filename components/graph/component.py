@@ -52,6 +52,9 @@ class GraphContext(msgspec.Struct):
     discovery_dir: str
     etcd_endpoints: str
     configs: dict[str, dict[str, Any]]
+    # Private to this run of the graph and removed when it stops: state a component keeps across
+    # its own restarts (the router's operation history).
+    run_dir: str = ""
 
 
 class Component:

@@ -625,10 +625,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{spec.label}{'' if spec.critical else ' (non-critical)'}: {' '.join(spec.argv)}")
         sys.exit(0)
 
+    ctx.run_dir = tempfile.mkdtemp(prefix="dynamo-run-")
     _banner(args.graph, comps, configs, ctx, len(plan))
     try:
         code = asyncio.run(run_graph(ctx, plan))
     finally:
+        shutil.rmtree(ctx.run_dir, ignore_errors=True)
         if own_dir:
             shutil.rmtree(discovery_dir, ignore_errors=True)
     sys.exit(code)

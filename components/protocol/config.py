@@ -78,6 +78,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     # A router whose /health has not answered for this long is hung (stopped, its event loop
     # blocked): `dynamo serve` kills it and starts another, which adopts what the ranks serve.
     liveness_timeout_s: float = 5.0
+    # Where the router keeps its operation history (operations.jsonl), which a restarted router
+    # reloads; "" keeps it in the graph's run directory (`dynamo serve`'s, gone when it stops).
+    state_dir: str = ""
 
     def __post_init__(self) -> None:
         if not self.liveness_timeout_s > 0:
