@@ -487,7 +487,10 @@ class Operation:
             else:
                 await disconnect
             for j in self.joiners:
-                await self.provider.release(j, self.id, graceful=False)
+                if failing:  # the failover waits for this: no grace for a joiner, it serves nothing
+                    await self.provider.fence(j, self.port.status(j).pid if self._known(j) else 0, self.id)
+                else:
+                    await self.provider.release(j, self.id, graceful=False)
                 self.port.forget(j)
         if self.leaving:  # back into routing: they never left the active set
             await asyncio.gather(
@@ -673,9 +676,9 @@ class Scaler:
             self.owner.operation_ended(op.record, result)
             if op.preempted and not failed and self.pending is None:
                 # Cut short by a failed serving rank: tried again after the failover, and then
-                # it also replaces what failed.
+                # it also replaces what failed (an injected fault was this attempt's).
                 log.info("[op %s] its target dp_size %d is requested again after the failover", op.id, req.dp_size)
-                self.pending = req
+                self.pending = msgspec.structs.replace(req, fault="")
             if failed and op.record.phase != "done":
                 # A survivor failed too (it is found and joins `failing`): try again shortly.
                 await asyncio.sleep(self.cfg.status_interval_s)
