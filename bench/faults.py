@@ -4,18 +4,31 @@ one fault per row, each on a fresh graph.
 
 Rows:
   serving rank killed / stalled   SIGKILL / SIGSTOP of rank 1 while it serves
+  serving rank killed mid scale-up
+                                  SIGKILL of rank 1 while a scale-up 3 -> 4's joiner warms up
+  source rank killed mid pull     SIGKILL of rank 1 while a scale-up 3 -> 4's joiner pulls its
+                                  weights from ranks 0-2 (the joiner holds its reads back 1 s,
+                                  injected, so they meet a dead source)
   leaving rank killed             SIGKILL of rank 2 while a scale-down 3 -> 2 drains it
-  joiner killed in pull / warmup  a scale-up 3 -> 4 whose joiner dies on the command that makes it
-                                  pull its weights / warm up (injected: the joiner exits on it)
+  joiner killed in starting / pull / warmup / connecting / committing
+                                  a scale-up 3 -> 4 whose joiner dies on the command sent as the
+                                  operation enters that phase (injected: the joiner exits on it):
+                                  describe / pull_weights / warmup / connect / configure
   router killed                   SIGKILL of the router (`dynamo serve` restarts it; it adopts)
   router killed mid scale-up      the same while a scale-up 3 -> 4 starts its joiner
+  router stalled                  SIGSTOP of the router past its liveness deadline, then SIGCONT
+                                  (`dynamo serve` finds it hung, kills and restarts it; it adopts)
+  corrupt snapshot                a scale-up 3 -> 4 whose only snapshot to restore the joiner from
+                                  (criu tier, baked for the row) has one byte of an image flipped:
+                                  refused with the reason in the record, the joiner cold-starts
   planner killed                  SIGKILL of the planner (not critical: the rest serves on)
 
 Per row: when the fault was taken up (detected), when the deployment was whole again (recovered:
-a failover's commit, an aborted scale-up's end, the restarted router's adoption), when a failed
-serving rank's replacement served (back at the starting size), requests sent / completed / lost,
-and completions whose tokens differ from the single-rank reference engine. Every row ends with a
-scale request that must succeed (no wedge). Prints a table and writes JSON (`--out`).
+a failover's commit, an aborted scale-up's end, the restarted router's adoption; a joiner's fault
+is timed from its exit), when a failed serving rank's replacement served (back at the starting
+size), requests sent / completed / lost, and completions whose tokens differ from the single-rank
+reference engine. Every row ends with a scale request that must succeed (no wedge). Prints a
+table and writes JSON (`--out`).
 
     python -m bench.faults                       # every row, CPU, bench/results/faults.json
     python -m bench.faults --faults "router killed" -- --Worker.device=cuda
@@ -28,10 +41,13 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -62,8 +78,12 @@ def wait_failover(srv: Server, rank: int, before: set[str], t_fault: float, time
         fo = next((op for op in ops if op["kind"] == "failover" and rank in op["leaving"]), None)
         up = next((op for op in ops if fo and op["kind"] == "up" and op["started_at"] >= fo["started_at"]), None)
         if fo and up and up["total_s"] is not None and not srv.topology()["scaling"]:
+            try:  # the router's verdict; a failover may wait for the operation in flight to end
+                found = log_time(srv, rf"rank {rank} failed: ")
+            except AssertionError:  # a restarted router failed it over while adopting
+                found = fo["started_at"]
             return {
-                "detected_s": fo["started_at"] - t_fault,
+                "detected_s": found - t_fault,
                 "recovered_s": fo["committed_at"] - t_fault if fo["committed_at"] else None,
                 "failover_downtime_ms": fo["downtime_s"] * 1e3 if fo["downtime_s"] is not None else None,
                 "replaced_s": up["committed_at"] - t_fault if up["committed_at"] else None,
@@ -87,6 +107,30 @@ def serving_rank(sig: int) -> Callable[[Server, argparse.Namespace], dict]:
     return run
 
 
+def serving_rank_killed_mid_scale_up(command: str, stall_s: float) -> Callable[[Server, argparse.Namespace], dict]:
+    """Scale 3 -> 4 whose joiner holds `command` back `stall_s` (injected); SIGKILL rank 1 as the
+    joiner starts to hold it. pull_weights: rank 1 is one of the ranks the joiner reads its
+    weights from; warmup: the joiner warms up alone. The scale-up gives way (aborts), the
+    failover of rank 1 runs, then the scale-up runs again (to 4, replacing rank 1 too: "replaced")."""
+
+    def run(srv: Server, args) -> dict:
+        before, pid = op_ids(srv), rank_pid(srv, 1)
+        r = srv.control("POST", "/scale", json={"dp_size": 4, "fault": f"stall_on={command},stall_s={stall_s}"})
+        assert r.status_code == 202, r.text
+        deadline = time.monotonic() + args.timeout_s
+        while f"injected fault: stalling {command}" not in srv.output:
+            assert time.monotonic() < deadline, srv.tail(60)
+            time.sleep(0.02)
+        t = time.time()
+        os.kill(pid, signal.SIGKILL)
+        measured = wait_failover(srv, 1, before, t, args.timeout_s)
+        up = next(op for op in measured["operations"] if op["kind"] == "up")
+        measured["scale_up"] = f"{up['phase']} in {list(up['phases'])[-1]}: {up['error']}"
+        return measured
+
+    return run
+
+
 def leaving_rank_killed(srv: Server, args) -> dict:
     """Scale 3 -> 2 with a long drain; SIGKILL rank 2 once it is out of routing and draining."""
     before, pid = op_ids(srv), rank_pid(srv, 2)
@@ -102,34 +146,61 @@ def leaving_rank_killed(srv: Server, args) -> dict:
     return wait_failover(srv, 2, before, t, args.timeout_s)
 
 
+# Row name -> the command a joiner is sent in that phase (`exit_on` makes it exit there): starting
+# ends with the router asking new instances which rank they are; committing's Configure reaches
+# the serving ranks too (paused, some already on the new epoch), so the commit rolls back.
+JOINER_PHASES = {
+    "starting": "describe",
+    "pull": "pull_weights",
+    "warmup": "warmup",
+    "connecting": "connect",
+    "committing": "configure",
+}
+
+
 def joiner_killed(command: str) -> Callable[[Server, argparse.Namespace], dict]:
-    """Scale 3 -> 4; the joiner exits on `command` (its fault, injected through the router)."""
-    phase = {"pull_weights": "loading", "warmup": "warming"}[command]
+    """Scale 3 -> 4; the joiner exits on `command` (its fault, injected through the router).
+    Timed from the joiner's exit (its last log line): detected when the operation began to abort
+    or roll back, recovered when that was over."""
 
     def run(srv: Server, args) -> dict:
         before = op_ids(srv)
         rec = scale(srv, 4, fault=f"exit_on={command}")
-        # The joiner exits on the command, sent as the operation enters its phase: the phases
-        # before it (in order) end there.
-        names = list(rec["phases"])
-        t = rec["started_at"] + sum(rec["phases"][p] for p in names[: names.index(phase)])
+        t = log_time(srv, rf"rank \d+: injected fault: exiting on {command}$")
+        caught = log_time(srv, rf"\[op {re.escape(rec['id'])}\] (aborting in|rolling back)")
         return {
-            "detected_s": ended(rec) - t,  # the abort (the joiner gone, the group untouched) is over
+            "detected_s": caught - t,
             "recovered_s": ended(rec) - t,
-            "aborted": f"{rec['phase']}: {rec['error']}",
+            "aborted": f"{rec['phase']} in {list(rec['phases'])[-1]}: {rec['error']}",
             "operations": new_ops(srv, before),
         }
 
     return run
 
 
+LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ [\w.]+: (.*)$")
+
+
+def log_time(srv: Server, message: str) -> float:
+    """When a component last logged a line whose message matches `message` (unix time; Python
+    logging writes local time)."""
+    for line in reversed(srv.output.splitlines()):
+        m = LOG_TIME.search(line)
+        if m and re.search(message, m.group(2)):
+            return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    raise AssertionError(f"no log line matches {message!r}")
+
+
 def router_pids(srv: Server) -> list[int]:
     return [int(p) for p in re.findall(r"started Router \(pid (\d+)", srv.output)]
 
 
-def router_killed(during_scale_up: bool) -> Callable[[Server, argparse.Namespace], dict]:
+def router_fault(sig: int, during_scale_up: bool = False) -> Callable[[Server, argparse.Namespace], dict]:
     """SIGKILL the router, serving; or while a scale-up 3 -> 4 is starting its joiner, which the
-    restarted router then finds mid-operation and stops (the scale-up is lost with the router)."""
+    restarted router then finds mid-operation and stops (the scale-up is lost with the router).
+    SIGSTOP it past its liveness deadline (Router.liveness_timeout_s), then SIGCONT: `dynamo serve`
+    finds it hung, kills it and starts another. Detected: the next router started (killed), or the
+    stalled one found hung; recovered: the next one adopted what the ranks serve."""
 
     def run(srv: Server, args) -> dict:
         before, topo, old = op_ids(srv), srv.topology(), router_pids(srv)[-1]
@@ -140,21 +211,28 @@ def router_killed(during_scale_up: bool) -> Callable[[Server, argparse.Namespace
             while time.monotonic() < deadline and not any(v["rank"] == 3 for v in srv.topology()["ranks"]):
                 time.sleep(0.05)
         t = time.time()
-        os.kill(old, signal.SIGKILL)
+        os.kill(old, sig)
+        hung = f"Router (pid {old}) did not answer"
         detected = recovered = None
         deadline = time.monotonic() + args.timeout_s
         while time.monotonic() < deadline and recovered is None:
-            if detected is None and router_pids(srv)[-1] != old:
-                detected = time.time() - t  # `dynamo serve` started the next one
-            if detected is not None:
+            if detected is None and (hung in srv.output if sig == signal.SIGSTOP else router_pids(srv)[-1] != old):
+                detected = time.time() - t
+            if router_pids(srv)[-1] != old:
                 try:
                     if srv.control("GET", "/health").status_code == 200:
                         recovered = time.time() - t  # it adopted what the ranks serve
                 except httpx.HTTPError:
                     pass
             time.sleep(0.05)
+        if sig == signal.SIGSTOP:
+            try:
+                os.kill(old, signal.SIGCONT)  # too late: it was killed
+            except ProcessLookupError:
+                pass
         after = srv.topology()
-        adopted = re.findall(r"adopted epoch .*", srv.output)
+        adopted = re.findall(r"components\.control\.router: (adopted epoch .*)", srv.output)
+        ops = new_ops(srv, before)  # the history outlives the router (its journal)
         return {
             "detected_s": detected,
             "recovered_s": recovered,
@@ -167,10 +245,48 @@ def router_killed(during_scale_up: bool) -> Callable[[Server, argparse.Namespace
                 ),
                 "ranks_after": {r["rank"]: r["state"] for r in after["ranks"]},
             },
-            "operations": new_ops(srv, before),
+            "interrupted": [f"{op['id']}: {op['error']}" for op in ops if op["phase"] == "interrupted"],
+            "operations": ops,
         }
 
     return run
+
+
+def corrupt_snapshot_root(args) -> list[str]:
+    """A snapshot store holding one criu-tier image baked for this deployment, one byte of its
+    largest memory-pages file flipped (the way tests/test_snapshot_flow.py tampers one)."""
+    from snapshot.bake import IMAGE_DIR, bake
+
+    root = Path(tempfile.mkdtemp(prefix="faults-snapshots-"))
+    device = "cuda" if "--Worker.device=cuda" in args.graph_args else "cpu"
+    snap, manifest = bake(root / "corrupt", device=device, tier="criu", progress=False)
+    pages = max(
+        (n for n in manifest.files if n.startswith(f"{IMAGE_DIR}/pages-")), key=lambda n: (snap / n).stat().st_size
+    )
+    with open(snap / pages, "r+b") as f:
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 1]))
+    args.snapshot_root = root  # removed once the row scaled up
+    return [f"--Worker.snapshot_root={root}"]
+
+
+def corrupt_snapshot(srv: Server, args) -> dict:
+    """Scale 3 -> 4 with only a corrupt image to restore the joiner from: refused (the reason in
+    the operation's record), the joiner cold-starts and serves. Detected: the refusal, from the
+    operation's start; recovered: the joiner serving (the commit)."""
+    before = op_ids(srv)
+    rec = scale(srv, 4)
+    shutil.rmtree(args.snapshot_root, ignore_errors=True)
+    refused = log_time(srv, rf"\[op {re.escape(rec['id'])}\] no snapshot to restore joiners from")
+    return {
+        "detected_s": refused - rec["started_at"],
+        "recovered_s": rec["committed_at"] - rec["started_at"] if rec["committed_at"] else None,
+        "scale_up": f"{rec['phase']}: joined_from {rec['joined_from']}",
+        "snapshot_refused": rec["snapshot_refused"],
+        "operations": new_ops(srv, before),
+    }
 
 
 def planner_killed(srv: Server, args) -> dict:
@@ -184,15 +300,30 @@ def planner_killed(srv: Server, args) -> dict:
     return {"detected_s": time.time() - t, "recovered_s": None, "note": "not restarted; nothing else affected"}
 
 
-FAULTS: dict[str, tuple[Callable[[Server, argparse.Namespace], dict], list[str]]] = {
+FAULTS: dict[
+    str, tuple[Callable[[Server, argparse.Namespace], dict], list[str] | Callable[[argparse.Namespace], list[str]]]
+] = {
     # row: (injection and measurement, graph options it needs)
     "serving rank killed": (serving_rank(signal.SIGKILL), []),
     "serving rank stalled": (serving_rank(signal.SIGSTOP), []),
+    "serving rank killed mid scale-up": (
+        serving_rank_killed_mid_scale_up("warmup", 5.0),
+        ["--Router.allow_fault_injection=true"],
+    ),
+    "source rank killed mid pull": (
+        serving_rank_killed_mid_scale_up("pull_weights", 1.0),
+        ["--Router.allow_fault_injection=true"],
+    ),
     "leaving rank killed": (leaving_rank_killed, []),
-    "joiner killed in pull": (joiner_killed("pull_weights"), ["--Router.allow_fault_injection=true"]),
-    "joiner killed in warmup": (joiner_killed("warmup"), ["--Router.allow_fault_injection=true"]),
-    "router killed": (router_killed(during_scale_up=False), []),
-    "router killed mid scale-up": (router_killed(during_scale_up=True), []),
+    **{
+        f"joiner killed in {row}": (joiner_killed(c), ["--Router.allow_fault_injection=true"])
+        for row, c in JOINER_PHASES.items()
+    },
+    "router killed": (router_fault(signal.SIGKILL), []),
+    "router killed mid scale-up": (router_fault(signal.SIGKILL, during_scale_up=True), []),
+    "router stalled": (router_fault(signal.SIGSTOP), []),
+    # Its graph options are made for it: a snapshot store with a corrupt image.
+    "corrupt snapshot": (corrupt_snapshot, corrupt_snapshot_root),
     # The planner's own row runs it; it is asked to keep the size (min_dp = max_dp = 3).
     "planner killed": (planner_killed, ["--Planner.enabled=true", "--Planner.min_dp=3", "--Planner.max_dp=3"]),
 }
@@ -200,6 +331,8 @@ FAULTS: dict[str, tuple[Callable[[Server, argparse.Namespace], dict], list[str]]
 
 def run_row(fault: str, args, reference: list[str]) -> dict:
     inject, options = FAULTS[fault]
+    if callable(options):
+        options = options(args)
     srv = Server(
         ["--Worker.dp_size=3", "--Worker.max_ranks=4", "--Planner.enabled=false", *options, *args.graph_args],
         boot_timeout_s=600,

@@ -98,11 +98,13 @@ FAULT_ENV = "ELASTIC_EP_FAULT"
 class Faults(msgspec.Struct, frozen=True):
     """Failures a joiner injects into itself, to test that a scale operation aborts cleanly.
     Set only by a router whose `allow_fault_injection` is on, through ELASTIC_EP_FAULT:
-    `exit_on=<command tag>`, `corrupt_pull`, `stall_configure=<seconds>`."""
+    `exit_on=<command tag>`, `corrupt_pull`, `stall_on=<command tag>,stall_s=<seconds>` (the
+    command is answered that much later: a window for a fault elsewhere, or a missed deadline)."""
 
     exit_on: str = ""
     corrupt_pull: bool = False
-    stall_configure: float = 0.0
+    stall_on: str = ""
+    stall_s: float = 0.0
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -440,6 +442,11 @@ class RankServer:
             if self.faults.exit_on and self.faults.exit_on == raw.get("type"):
                 log.error("rank %d: injected fault: exiting on %s", self.rank, self.faults.exit_on)
                 os._exit(17)
+            if self.faults.stall_on and self.faults.stall_on == raw.get("type"):
+                log.error(
+                    "rank %d: injected fault: stalling %s %.1f s", self.rank, self.faults.stall_on, self.faults.stall_s
+                )
+                await asyncio.sleep(self.faults.stall_s)
             kind, state = type(msg), self.life.state
             if not allowed(kind, state):
                 raise refusal(kind, state)
@@ -495,9 +502,6 @@ class RankServer:
         e = self.engine
         if not e.paused and self.rank in e.comm.active and len(e.comm.active) > 1:
             raise RuntimeError("configure needs the group paused first")
-        if self.faults.stall_configure:
-            log.error("rank %d: injected fault: stalling configure %.1f s", self.rank, self.faults.stall_configure)
-            await asyncio.sleep(self.faults.stall_configure)
         await self.on_loop(lambda: e.configure(msg.epoch, msg.active, msg.placement))
 
     @handles(

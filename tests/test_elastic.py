@@ -130,10 +130,27 @@ def test_failed_prepare_aborts_and_old_topology_serves(server, reference, fault,
     assert all(toks == reference[p] for p, toks, _, _ in traffic.results)
 
 
+def test_a_joiner_dying_in_the_commit_rolls_back_then_a_later_scale_succeeds(server, reference):
+    """The joiner exits on Configure: the serving ranks are paused, some maybe configured for the
+    new epoch already. Everyone reachable goes back to the old set under a newer epoch."""
+    before = server.topology()
+    with Traffic(server, clients=2) as traffic:
+        op = scale(server, 3, fault="exit_on=configure")
+        assert op["phase"] == "rolled_back", op
+        assert list(op["phases"])[-1] == "committing", op
+        after = server.topology()
+        assert after["active"] == before["active"] and after["epoch"] > before["epoch"]
+        assert 2 not in [r["rank"] for r in after["ranks"]]  # the joiner is gone
+        assert scale(server, 3)["phase"] == "done"
+    assert traffic.errors == []
+    assert all(toks == reference[p] for p, toks, _, _ in traffic.results)
+    assert scale(server, 2)["phase"] == "done"
+
+
 def test_commit_timeout_rolls_back_then_a_later_scale_succeeds(server, reference):
     before = server.topology()
     with Traffic(server, clients=2) as traffic:
-        op = scale(server, 3, fault="stall_configure=10")
+        op = scale(server, 3, fault="stall_on=configure,stall_s=10")
         assert op["phase"] == "rolled_back", op
         after = server.topology()
         assert after["active"] == before["active"] and after["epoch"] > before["epoch"]

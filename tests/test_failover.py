@@ -19,7 +19,9 @@ PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(["--Worker.max_ranks=4", "--Worker.dp_size=3", "--Planner.enabled=false"])
+    srv = Server(
+        ["--Worker.max_ranks=4", "--Worker.dp_size=3", "--Planner.enabled=false", "--Router.allow_fault_injection=true"]
+    )
     try:
         yield srv
     finally:
@@ -80,4 +82,42 @@ def test_a_failed_serving_rank_is_replaced_under_load_and_nothing_is_lost(server
     assert bad == []
     # Not wedged: the next scale works both ways.
     assert scale(server, 2)["phase"] == "done"
+    assert scale(server, 3)["phase"] == "done"
+
+
+@pytest.mark.parametrize("command", ["warmup", "pull_weights"])
+def test_a_serving_rank_killed_during_a_scale_up_is_failed_over_first(server, reference, command):
+    """Rank 1 dies while a scale-up 3 -> 4's joiner warms up, or pulls its weights from ranks
+    0-2 (rank 1 among them; the joiner holds its reads back, injected): the scale-up gives way at
+    once (aborted, its joiner gone), the failover masks rank 1 out, and then the scale-up runs
+    again, which also replaces rank 1. Nothing is lost, every token is right, no wedge."""
+    assert server.topology()["active"] == [0, 1, 2]
+    pid, before = pid_of(server, 1), operation_ids(server)
+    stalled = f"injected fault: stalling {command}"
+    seen = server.output.count(stalled)
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        time.sleep(1.0)
+        r = server.control("POST", "/scale", json={"dp_size": 4, "fault": f"stall_on={command},stall_s=5"})
+        assert r.status_code == 202, r.text
+        deadline = time.monotonic() + 120
+        while server.output.count(stalled) == seen:
+            assert time.monotonic() < deadline, server.tail(60)
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        while True:
+            ops = [op for op in server.control("GET", "/operations").json() if op["id"] not in before]
+            if len(ops) == 3 and ops[-1]["total_s"] is not None and not server.topology()["scaling"]:
+                break
+            assert time.monotonic() < deadline, (ops, server.tail(60))
+            time.sleep(0.2)
+        time.sleep(1.0)
+    up, failover, again = ops
+    assert (up["kind"], up["phase"], up["to_size"]) == ("up", "aborted", 4), up
+    assert "rank 1 " in up["error"], up["error"]
+    assert (failover["kind"], failover["leaving"], failover["phase"]) == ("failover", [1], "done"), failover
+    assert (again["kind"], again["from_size"], again["to_size"], again["phase"]) == ("up", 2, 4, "done"), again
+    assert sorted(again["joiners"]) == [1, 3]
+    assert server.topology()["active"] == [0, 1, 2, 3]
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
     assert scale(server, 3)["phase"] == "done"

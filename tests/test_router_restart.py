@@ -61,6 +61,7 @@ def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(serve
     before = server.topology()
     assert before["active"] == [0, 1, 2]
     pids = {r["rank"]: r["pid"] for r in before["ranks"]}
+    history = server.control("GET", "/operations").json()
     old = router_pids(server)[-1]
     with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
         time.sleep(2.0)
@@ -72,6 +73,7 @@ def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(serve
     assert f"adopted epoch {before['epoch']}: ranks [0, 1, 2] active, [3] parked, none stopped" in server.output
     after = server.topology()
     assert (after["epoch"], after["active"]) == (before["epoch"], before["active"])
+    assert server.control("GET", "/operations").json() == history  # reloaded from its journal
     ranks = {r["rank"]: r for r in after["ranks"]}
     assert {r: v["pid"] for r, v in ranks.items()} == pids  # no rank was replaced, none orphaned
     assert [ranks[r]["state"] for r in range(4)] == ["ACTIVE", "ACTIVE", "ACTIVE", "PARKED"]
@@ -125,7 +127,7 @@ def test_a_commit_the_killed_router_left_half_done_is_completed_by_the_next(serv
     epochs, paused, the joiner staged, and commits the newest topology again under a new epoch."""
     assert scale(server, 3)["phase"] == "done"  # rank 3 parks
     epoch = server.topology()["epoch"]
-    r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_configure=6"})
+    r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_on=configure,stall_s=6"})
     assert r.status_code == 202, r.text
     with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
         deadline = time.monotonic() + 120
@@ -140,11 +142,49 @@ def test_a_commit_the_killed_router_left_half_done_is_completed_by_the_next(serv
     assert f"committing it again as epoch {epoch + 2}" in server.output, server.tail(80)
     after = server.topology()
     assert (after["epoch"], after["active"]) == (epoch + 2, [0, 1, 2, 3])
+    # The operation the killed router ran outlives it in the history, as interrupted, with what
+    # the next router made of it; the ones before it are there too, and ids go on from there.
+    ops = server.control("GET", "/operations").json()
+    cut = ops[-1]
+    assert (cut["kind"], cut["to_size"], cut["phase"]) == ("up", 4, "interrupted"), cut
+    assert cut["error"] == (
+        f"the router running it stopped in committing; the next one adopted epoch {epoch + 2}: "
+        "ranks [0, 1, 2, 3] active, none parked, none stopped"
+    ), cut
+    assert [op["phase"] for op in ops[:-1]] == ["done"] * (len(ops) - 1) and len(ops) >= 4, ops
     ranks = {r["rank"]: r for r in after["ranks"]}
     assert all(ranks[r]["state"] == "ACTIVE" and ranks[r]["routable"] and not ranks[r]["paused"] for r in range(4))
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
-    assert scale(server, 3)["phase"] == "done"
+    down = scale(server, 3)
+    assert down["phase"] == "done"
+    assert int(down["id"].split("-")[1]) == int(cut["id"].split("-")[1]) + 1, (down["id"], cut["id"])
+
+
+def test_a_stalled_router_is_found_hung_restarted_and_adopts_the_topology(server, reference):
+    """SIGSTOP past its liveness deadline: `dynamo serve` finds its /health silent, kills it and
+    starts another, which adopts; the ranks serve throughout, and the SIGCONT comes too late."""
+    before = server.topology()
+    pids = {r["rank"]: r["pid"] for r in before["ranks"]}
+    old = router_pids(server)[-1]
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        time.sleep(2.0)
+        served_before = len(traffic.results)
+        os.kill(old, signal.SIGSTOP)
+        wait_router_back(server, old)
+        with pytest.raises(ProcessLookupError):
+            os.kill(old, signal.SIGCONT)
+        time.sleep(2.0)
+    assert re.search(
+        rf"Router \(pid {old}\) did not answer http://127\.0\.0\.1:\d+/health for \d+\.\d s: hung", server.output
+    )
+    after = server.topology()
+    assert (after["epoch"], after["active"]) == (before["epoch"], before["active"])
+    assert {r["rank"]: r["pid"] for r in after["ranks"]} == pids
+    assert traffic.errors == []
+    assert len(traffic.results) > served_before + 6
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(server, 3 if before["dp_size"] == 2 else 2)["phase"] == "done"
 
 
 @pytest.fixture

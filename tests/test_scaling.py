@@ -96,8 +96,9 @@ def test_the_latest_target_wins(monkeypatch):
 
     class Op:  # an operation that runs until the test lets it finish
         gate = asyncio.Event()
+        preempted = False  # no serving rank fails here
 
-        def __init__(self, req, topology, *rest):
+        def __init__(self, req, topology, *rest, **kw):
             self.req, self.topology = req, topology
             self.record = OpRecord(
                 id=f"to-{req.dp_size}",
@@ -139,3 +140,45 @@ def test_the_latest_target_wins(monkeypatch):
     assert started == [3, 5]
     assert [r.id for r in owner.ended] == ["to-3", "to-5"] and last.id == "to-5"
     assert owner.committed.active == [0, 1, 2, 3, 4] and owner.committed.epoch == 3
+
+
+def test_the_journal_gives_a_restarted_router_its_history(tmp_path, monkeypatch):
+    """The last line of each id wins, a line torn by the kill is skipped, the file keeps only the
+    recent history; what was in flight is interrupted, with the adoption's outcome, and the next
+    ids follow on."""
+
+    def rec(n: int, phase: str) -> OpRecord:
+        return OpRecord(
+            id=f"op-{n}-up-2to3",
+            kind="up",
+            mode=ScaleMode.PREPARE_ASYNC_REUSE_GRAPHS,
+            from_size=2,
+            to_size=3,
+            phase=phase,
+            joiners=[2],
+            leaving=[],
+            phases={},
+            started_at=float(n),
+        )
+
+    path = tmp_path / "router" / "operations.jsonl"
+    path.parent.mkdir()
+    journal = scaling.OpJournal(path)
+    for n in range(1, 26):
+        journal.save(rec(n, "starting"))
+        journal.save(rec(n, "done" if n < 25 else "loading"))
+    with path.open("ab") as f:
+        f.write(b'{"id": "op-26-up')  # the kill came mid-write
+    monkeypatch.setattr(scaling.Operation, "_ids", scaling.Operation._ids)  # restored after the test
+    scaler = Scaler(Owner(), None, None, RouterConfig(), max_ranks=8, journal=scaling.OpJournal(path))
+    assert [r.id for r in scaler.history] == [f"op-{n}-up-2to3" for n in range(6, 26)]
+    assert [r.phase for r in scaler.history] == ["done"] * 19 + ["loading"]
+    scaler.settle("adopted epoch 4: ranks [0, 1] active, none parked, [2] stopped")
+    cut = scaler.history[-1]
+    assert cut.phase == "interrupted" and cut.error == (
+        "the router running it stopped in loading; the next one adopted epoch 4: ranks [0, 1] active, "
+        "none parked, [2] stopped"
+    )
+    reloaded = scaling.OpJournal(path).load()
+    assert len(path.read_text().splitlines()) == 20 and reloaded[-1] == cut
+    assert next(scaling.Operation._ids) == 26

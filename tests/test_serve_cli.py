@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from harness.server import env_tool
+from harness.server import env_tool, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = "tests/graphs/echo:Frontend"
@@ -276,32 +276,69 @@ def test_a_rank_that_cannot_start_stops_the_graph_with_its_reason(tmp_path) -> N
     assert "Traceback" not in r.stdout + r.stderr
 
 
+def serve_logged(log: Path, *args: str) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [env_tool("dynamo"), "serve", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def started(log: Path, n: int) -> list[int]:
+    """The pids of the Sidecar's first `n` starts."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pids = [int(p) for p in re.findall(r"started Sidecar \(pid (\d+), restartable\)", log.read_text())]
+        if len(pids) >= n:
+            return pids
+        time.sleep(0.1)
+    raise AssertionError(log.read_text())
+
+
 def test_a_restartable_component_is_started_again(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [env_tool("dynamo"), "serve", "tests/graphs/restart:Sidecar"],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = serve_logged(log, "tests/graphs/restart:Sidecar")
     try:
-
-        def started(n: int) -> list[int]:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                pids = [int(p) for p in re.findall(r"started Sidecar \(pid (\d+), restartable\)", log.read_text())]
-                if len(pids) >= n:
-                    return pids
-                time.sleep(0.1)
-            raise AssertionError(log.read_text())
-
-        first = started(1)[0]
+        first = started(log, 1)[0]
         os.kill(first, signal.SIGKILL)
-        second = started(2)[1]
+        second = started(log, 2)[1]
         assert second != first and alive(second)
         assert f"component Sidecar (pid {first}) was killed by signal SIGKILL; restarting it" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+        assert not alive(second)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_hung_component_is_killed_and_started_again(tmp_path: Path) -> None:
+    """Stopped (SIGSTOP) for longer than its liveness deadline, a process that declares a health
+    URL is taken for hung: SIGKILLed, and restarted like any restartable process that died."""
+    log, port = tmp_path / "serve.log", free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}/"
+
+    def answering() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(url, timeout=1)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError(log.read_text())
+
+    proc = serve_logged(log, "tests/graphs/restart:Sidecar", f"--Sidecar.health_port={port}")
+    try:
+        first = started(log, 1)[0]
+        answering()
+        time.sleep(1.0)  # probed at least once: it has answered
+        os.kill(first, signal.SIGSTOP)
+        second = started(log, 2)[1]
+        text = log.read_text()
+        assert re.search(rf"Sidecar \(pid {first}\) did not answer {url} for \d+\.\d s: hung, SIGKILL", text), text
+        assert f"component Sidecar (pid {first}) was killed by signal SIGKILL; restarting it" in text
+        assert not alive(first)
+        answering()  # the new one serves on the same port
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
         assert not alive(second)

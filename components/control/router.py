@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
@@ -26,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from components.control.capacity import CapacityProvider, LocalProvider
-from components.control.scaling import Scaler
+from components.control.scaling import OpJournal, Scaler
 from components.graph.component import Component, component_config, load_context
 from components.protocol.config import RouterConfig, WorkerConfig
 from components.protocol.lifecycle import RankState
@@ -75,8 +76,13 @@ class Router(Component):
                 "worker whose weights are not in the VMM arena holds them all, and one whose "
                 "memory was exported for CUDA IPC cannot be restored"
             )
-        # Restarted when it dies: the ranks serve on meanwhile, and it adopts what they serve.
-        return [msgspec.structs.replace(s, restart=True) for s in super().processes(config, ctx)]
+        # Restarted when it dies or hangs: the ranks serve on meanwhile, and it adopts what they serve.
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+        health = f"http://{f'[{host}]' if ':' in host else host}:{config.port}/health"
+        return [
+            msgspec.structs.replace(s, restart=True, health_url=health, liveness_timeout_s=config.liveness_timeout_s)
+            for s in super().processes(config, ctx)
+        ]
 
 
 class ControlError(RuntimeError):
@@ -264,6 +270,7 @@ class RouterService:
         await self.send_all(ranks, lambda r: SetRoutable(routable=True))
         self._committed = Committed(epoch=1, active=ranks, placement=placement)
         log.info("epoch 1: ranks %s active and routable (%.1f s after start)", ranks, time.monotonic() - self.started)
+        self.scaler.settle(f"found no rank serving and formed epoch 1 of ranks {ranks}")
         self.ready.set()
 
     async def adopt(self, provider: CapacityProvider) -> None:
@@ -313,15 +320,13 @@ class RouterService:
         self._committed = Committed(epoch=epoch, active=active, placement=placement)
         self.load_base = {r: self.statuses[r].load for r in serving_ranks}
         parked = sorted(r for r, st in self.statuses.items() if st.state is RankState.PARKED)
-        log.info(
-            "adopted epoch %d: ranks %s active%s, %s parked, %s stopped (%.1f s)",
-            epoch,
-            active,
-            f" ({missing} not found: failing them over)" if missing else "",
-            parked or "none",
-            sorted(stray) or "none",
-            time.monotonic() - t0,
+        outcome = (
+            f"adopted epoch {epoch}: ranks {active} active"
+            f"{f' ({missing} not found: failing them over)' if missing else ''}, "
+            f"{parked or 'none'} parked, {sorted(stray) or 'none'} stopped"
         )
+        log.info("%s (%.1f s)", outcome, time.monotonic() - t0)
+        self.scaler.settle(outcome)
         self.ready.set()
         if missing:
             self.scaler.fail(missing)
@@ -632,7 +637,9 @@ async def serve() -> None:
         loop.add_signal_handler(sig, stop.set)
     svc = RouterService(rt, ctx, cfg, wcfg)
     provider = make_provider(os.environ.get("ELASTIC_EP_CAPACITY") or cfg.capacity, ctx)
-    svc.scaler = Scaler(svc, svc, provider, cfg, wcfg.max_ranks)
+    state_dir = cfg.state_dir or (os.path.join(ctx.run_dir, "router") if ctx.run_dir else "")
+    journal = OpJournal(Path(state_dir) / "operations.jsonl") if state_dir else None
+    svc.scaler = Scaler(svc, svc, provider, cfg, wcfg.max_ranks, journal)
     runner = web.AppRunner(svc.app())
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port).start()

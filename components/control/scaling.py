@@ -22,9 +22,13 @@ import asyncio
 import enum
 import itertools
 import logging
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
+
+import msgspec
 
 from components.control.capacity import CapacityProvider
 from components.protocol.config import RouterConfig
@@ -129,8 +133,9 @@ class Operation:
         max_ranks: int,
         num_experts: int,
         failed: list[int] = (),
+        on_change: Callable[[OpRecord], None] = lambda record: None,
     ):
-        self.req, self.topology, self.load = req, topology, load
+        self.req, self.topology, self.load, self.on_change = req, topology, load, on_change
         self.port, self.provider, self.cfg, self.num_experts = port, provider, cfg, num_experts
         self.failed = sorted(failed)
         size = len(topology.active)
@@ -156,7 +161,17 @@ class Operation:
         )
         self.committed = False
         self.rolled_back = False
+        # Undoing itself (abort, rollback): a serving rank failing no longer cuts its calls short.
+        self.undoing = False
+        self.preempted = False  # cut short because a serving rank failed: the failover goes first
+        self._background: set[asyncio.Future] = set()
         self.pause_t0: float | None = None  # mode A: when serving stopped
+
+    @classmethod
+    def number_after(cls, last: int) -> None:
+        """Number the next operations from `last` + 1 (a restarted router continues the ids of
+        the history it reloaded)."""
+        cls._ids = itertools.count(last + 1)
 
     @property
     def active(self) -> list[int]:
@@ -183,16 +198,27 @@ class Operation:
         self.record.phase = new.value
         if new in _FINAL:
             self.record.total_s = round(now - self.t0, 6)
+        self.on_change(self.record)
 
     # ---- helpers -----------------------------------------------------------------------------
     async def call(self, ranks, make: Callable[[int], object], timeout: float | None = None) -> list[ControlReply]:
-        """Send a command to several ranks at once; fail fast when a joiner's process dies."""
+        """Send a command to several ranks at once; fail fast when a rank's process dies, or a
+        serving rank fails (the source of a pull among them)."""
         timeout = timeout or self.cfg.prepare_timeout_s
 
         async def one(r):
             task = asyncio.ensure_future(self.port.send(r, make(r)))
             deadline = time.monotonic() + timeout
             while not task.done():
+                failing = [] if self.undoing else self.failing_serving()
+                if failing:
+                    # The group stopped serving (its collectives wait for the failed rank): the
+                    # failover must not wait for this operation.
+                    task.cancel()
+                    self.preempted = True
+                    raise ScaleError(
+                        f"serving rank {failing[0]} failed during {self.phase.value}: the failover goes first"
+                    )
                 if self.provider.alive(r) is False or self.port.failed(r):
                     task.cancel()
                     raise ScaleError(f"rank {r} died during {self.phase.value}")
@@ -278,6 +304,10 @@ class Operation:
         log.info("[op %s] epoch %d committed: active %s, downtime %.1f ms", self.id, epoch, self.active, downtime * 1e3)
         return downtime
 
+    def failing_serving(self) -> list[int]:
+        """Serving ranks found dead or stalled since this operation began (not the ones it masks)."""
+        return [r for r in self.active if r not in self.failed and self.port.failed(r)]
+
     def _known(self, rank: int) -> bool:
         try:
             self.port.status(rank)
@@ -286,6 +316,7 @@ class Operation:
             return False
 
     async def rollback(self, involved, epoch: int, reason: str) -> None:
+        self.undoing = True
         old = self.topology
         log.error("[op %s] rolling back to ranks %s at epoch %d: %s", self.id, old.active, epoch, reason)
         reachable = [r for r in involved if self.provider.alive(r) is not False]
@@ -440,14 +471,26 @@ class Operation:
     async def abort(self, reason: str) -> None:
         """Undo a prepare: the serving group forgets the joiners, their processes go."""
         log.error("[op %s] aborting in %s: %s", self.id, self.phase.value, reason)
+        self.undoing = True
         t = self.cfg.commit_timeout_s
         if self.joiners:
-            await asyncio.gather(
-                *(self.call([r], lambda r: Disconnect(ranks=self.joiners), t) for r in self.active),
+            failing = self.failing_serving()
+            disconnect = asyncio.gather(
+                *(self.call([r], lambda r: Disconnect(ranks=self.joiners), t) for r in self.active if r not in failing),
                 return_exceptions=True,
             )
+            if failing:
+                # The survivors' step loops wait in a collective for the failed ranks, and their
+                # disconnect behind it, until the failover (next) masks those out: not awaited.
+                self._background.add(disconnect)
+                disconnect.add_done_callback(self._background.discard)
+            else:
+                await disconnect
             for j in self.joiners:
-                await self.provider.release(j, self.id, graceful=False)
+                if failing:  # the failover waits for this: no grace for a joiner, it serves nothing
+                    await self.provider.fence(j, self.port.status(j).pid if self._known(j) else 0, self.id)
+                else:
+                    await self.provider.release(j, self.id, graceful=False)
                 self.port.forget(j)
         if self.leaving:  # back into routing: they never left the active set
             await asyncio.gather(
@@ -484,18 +527,71 @@ class Operation:
         return self.topology
 
 
+INTERRUPTED = "interrupted"  # an operation's phase once the router that ran it is gone
+HISTORY = 20  # operations kept in the history (and its journal)
+
+
+class OpJournal:
+    """The operation history as JSON lines, one line per record at each phase change (the last
+    line of an id wins), so that a router `dynamo serve` restarted shows the history and what its
+    predecessor left in flight. Appended without fsync: a killed process's writes survive it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def load(self) -> list[OpRecord]:
+        """The records, oldest first (the last `HISTORY`); the file is rewritten with only them."""
+        records: dict[str, OpRecord] = {}
+        try:
+            lines = self.path.read_bytes().splitlines()
+        except FileNotFoundError:
+            lines = []
+        for line in lines:
+            try:
+                rec = msgspec.json.decode(line, type=OpRecord)
+            except msgspec.DecodeError:  # a line torn by the kill, or not ours: skipped
+                continue
+            records.pop(rec.id, None)  # re-inserted: ordered by its latest line
+            records[rec.id] = rec
+        kept = sorted(records.values(), key=lambda r: r.started_at)[-HISTORY:]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in kept))
+        tmp.replace(self.path)
+        return kept
+
+    def save(self, record: OpRecord) -> None:
+        try:
+            with self.path.open("ab") as f:
+                f.write(msgspec.json.encode(record) + b"\n")
+        except OSError as e:  # the history is for people: losing a line must not fail the operation
+            log.warning("[op %s] could not journal its record to %s: %s", record.id, self.path, e)
+
+
 class Scaler:
     """Runs operations one at a time toward the latest requested size. While one runs, the
-    topology it has committed so far is the deployment's (`topology`)."""
+    topology it has committed so far is the deployment's (`topology`). With a `journal`, the
+    history outlives the router: a restarted one reloads it (`settle` then says how what was in
+    flight ended)."""
 
     def __init__(
-        self, owner: TopologyOwner, port: RankPort, provider: CapacityProvider, cfg: RouterConfig, max_ranks: int
+        self,
+        owner: TopologyOwner,
+        port: RankPort,
+        provider: CapacityProvider,
+        cfg: RouterConfig,
+        max_ranks: int,
+        journal: OpJournal | None = None,
     ):
         self.owner, self.port, self.provider, self.cfg, self.max_ranks = owner, port, provider, cfg, max_ranks
+        self.journal = journal
         self.pending: ScaleRequest | None = None
         self.failing: set[int] = set()  # serving ranks found dead, not yet failed over
         self.current: Operation | None = None
-        self.history: list[OpRecord] = []
+        self.history: list[OpRecord] = journal.load() if journal else []
+        numbers = [int(m.group(1)) for r in self.history if (m := re.match(r"op-(\d+)-", r.id))]
+        if numbers:
+            Operation.number_after(max(numbers))
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -512,6 +608,20 @@ class Scaler:
     async def wait_idle(self) -> OpRecord | None:
         await self._idle.wait()
         return self.history[-1] if self.history else None
+
+    def settle(self, outcome: str) -> None:
+        """The reloaded operations the last router left unfinished are over: `interrupted`, with
+        what the router that took over made of the deployment (`outcome`)."""
+        for rec in self.history:
+            if rec.phase not in {p.value for p in _FINAL} and rec.phase != INTERRUPTED:
+                rec.error = f"the router running it stopped in {rec.phase}; the next one {outcome}"
+                log.warning("[op %s] interrupted: %s", rec.id, rec.error)
+                rec.phase = INTERRUPTED
+                self._journal(rec)
+
+    def _journal(self, record: OpRecord) -> None:
+        if self.journal:
+            self.journal.save(record)
 
     def fail(self, ranks: list[int]) -> None:
         """Serving ranks found dead: a failover runs before any queued request (after the
@@ -555,13 +665,20 @@ class Scaler:
                 self.max_ranks,
                 self.owner.num_experts,
                 failed,
+                on_change=self._journal,
             )
             self.current = op
             self.history.append(op.record)
-            del self.history[:-20]
+            del self.history[:-HISTORY]
+            self._journal(op.record)
             result = await op.execute(self.owner.expert_load)
             self.current = None
             self.owner.operation_ended(op.record, result)
+            if op.preempted and not failed and self.pending is None:
+                # Cut short by a failed serving rank: tried again after the failover, and then
+                # it also replaces what failed (an injected fault was this attempt's).
+                log.info("[op %s] its target dp_size %d is requested again after the failover", op.id, req.dp_size)
+                self.pending = msgspec.structs.replace(req, fault="")
             if failed and op.record.phase != "done":
                 # A survivor failed too (it is found and joins `failing`): try again shortly.
                 await asyncio.sleep(self.cfg.status_interval_s)

@@ -38,6 +38,12 @@ class ProcessSpec(msgspec.Struct):
     # the graph cannot rebuild, such as the router (it adopts the topology the ranks serve). One
     # that keeps dying soon after its start still stops the graph, with its reason.
     restart: bool = False
+    # Liveness: `dynamo serve` GETs this URL while the process runs, and one that has not answered
+    # (any HTTP status) for `liveness_timeout_s` is hung (stopped, deadlocked): it is SIGKILLed,
+    # and then restarted or reported like any other death. Probing starts at its first answer, so
+    # a long start is never taken for a hang.
+    health_url: str = ""
+    liveness_timeout_s: float = 5.0
 
 
 class GraphContext(msgspec.Struct):
@@ -46,6 +52,9 @@ class GraphContext(msgspec.Struct):
     discovery_dir: str
     etcd_endpoints: str
     configs: dict[str, dict[str, Any]]
+    # Private to this run of the graph and removed when it stops: state a component keeps across
+    # its own restarts (the router's operation history).
+    run_dir: str = ""
 
 
 class Component:

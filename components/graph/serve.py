@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import msgspec
 import yaml
@@ -56,7 +57,8 @@ config file (-f): YAML mapping of component name -> {field: value}, e.g.
 
 exit codes: 0 after a requested stop (Ctrl-C / SIGTERM), 1 when a critical component dies (a
 restartable one, such as the router, is started again unless it keeps dying within 30 s of its
-start), 2 on a usage or config error (nothing is started).
+start), 2 on a usage or config error (nothing is started). A component with a health URL (the
+router) that stops answering it is killed as hung, then restarted or reported like a death.
 """
 
 
@@ -301,6 +303,24 @@ def _describe_exit(rc: int) -> str:
     return f"exited with code {rc}"
 
 
+async def answers(url: str, timeout: float) -> bool:
+    """Whether an HTTP GET of `url` gets a status line within `timeout` (any status: a process
+    that answers 503 while it starts is alive)."""
+    u = urlsplit(url)
+    host = u.hostname or "127.0.0.1"
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, u.port or 80)
+            try:
+                writer.write(f"GET {u.path or '/'} HTTP/1.0\r\nHost: {u.netloc}\r\n\r\n".encode())
+                await writer.drain()
+                return (await reader.readline()).startswith(b"HTTP/")
+            finally:
+                writer.close()
+    except (OSError, TimeoutError):
+        return False
+
+
 class Supervisor:
     def __init__(self, base_env: dict[str, str]) -> None:
         self.base_env = base_env
@@ -321,8 +341,29 @@ class Supervisor:
         watch = asyncio.create_task(self._watch(child, component, time.monotonic(), quick_deaths))
         self._tasks.add(watch)
         watch.add_done_callback(self._tasks.discard)
+        if spec.health_url:
+            probe = asyncio.create_task(self._liveness(child))
+            self._tasks.add(probe)
+            probe.add_done_callback(self._tasks.discard)
         kind = ", restartable" if spec.restart else "" if spec.critical else ", non-critical"
         _err(f"started {spec.label} (pid {child.pid}{kind})")
+
+    async def _liveness(self, child: Child) -> None:
+        """SIGKILL the child once it stops answering its health URL (its watch then restarts or
+        reports it): a hung process is as useless as a dead one, but nothing else would notice."""
+        url, deadline = child.spec.health_url, child.spec.liveness_timeout_s
+        every = min(1.0, deadline / 3)
+        last: float | None = None  # its last answer; None before the first
+        while child.proc.returncode is None and not self.stop.is_set():
+            t = time.monotonic()
+            if await answers(url, deadline):
+                last = time.monotonic()
+            elif last is not None and time.monotonic() - last > deadline:
+                silent = time.monotonic() - last
+                _err(f"{child.label} (pid {child.pid}) did not answer {url} for {silent:.1f} s: hung, SIGKILL")
+                child.signal_group(signal.SIGKILL)
+                return
+            await asyncio.sleep(max(0.0, every - (time.monotonic() - t)))
 
     async def _watch(self, child: Child, component: str, started: float, quick_deaths: int) -> None:
         rc = await child.proc.wait()
@@ -584,10 +625,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{spec.label}{'' if spec.critical else ' (non-critical)'}: {' '.join(spec.argv)}")
         sys.exit(0)
 
+    ctx.run_dir = tempfile.mkdtemp(prefix="dynamo-run-")
     _banner(args.graph, comps, configs, ctx, len(plan))
     try:
         code = asyncio.run(run_graph(ctx, plan))
     finally:
+        shutil.rmtree(ctx.run_dir, ignore_errors=True)
         if own_dir:
             shutil.rmtree(discovery_dir, ignore_errors=True)
     sys.exit(code)

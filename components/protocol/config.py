@@ -75,8 +75,16 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     # worker StatefulSet ($ELASTIC_EP_CAPACITY overrides, as the manifests in deploy/ do).
     capacity: str = "local"
     allow_fault_injection: bool = False  # lets POST /scale inject faults into joiners (tests only)
+    # A router whose /health has not answered for this long is hung (stopped, its event loop
+    # blocked): `dynamo serve` kills it and starts another, which adopts what the ranks serve.
+    liveness_timeout_s: float = 5.0
+    # Where the router keeps its operation history (operations.jsonl), which a restarted router
+    # reloads; "" keeps it in the graph's run directory (`dynamo serve`'s, gone when it stops).
+    state_dir: str = ""
 
     def __post_init__(self) -> None:
+        if not self.liveness_timeout_s > 0:
+            raise ValueError("liveness_timeout_s must be > 0")
         # What a bearer token may be (RFC 6750 b64token): anything else could not be sent as is.
         if self.token and not re.fullmatch(r"[A-Za-z0-9\-._~+/]+=*", self.token):
             raise ValueError("token must be printable ASCII: letters, digits and -._~+/ (then = padding)")
