@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from bench.measure import write_results
+
 HEADER = (
     "ranks",
     "devices",
@@ -426,9 +428,7 @@ def main(argv=None) -> None:
         )
     except (OSError, subprocess.SubprocessError):
         pass
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ mailbox over). Needs CUDA (Triton).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from bench.measure import median_ms, write_results
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,14 +58,7 @@ def graph_ms(fn, replays: int) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    times = []
-    for _ in range(replays + 3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        g.replay()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[3:]) * 1e3
+    return median_ms(g.replay, replays)
 
 
 def main(argv=None) -> int:
@@ -124,9 +116,7 @@ def main(argv=None) -> int:
         "hbm_gbps": args.hbm_gbps,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, result)
     return 0
 
 

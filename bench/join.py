@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.measure import write_results
 from harness.server import Server, scale
 
 PHASES = ["starting", "loading", "warming", "connecting", "committing"]
@@ -131,8 +132,7 @@ def main() -> None:
         "bake": baked,
         "joins": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(out, result)
     print(f"baked in {baked['wall_s']:.1f} s, image {m.image_bytes / 2**20:.0f} MiB")
     print("| joined from | scale | " + " | ".join(f"{k} s" for k in PHASES) + " | start to serving s | greedy equal |")
     print("|---|---|" + "---|" * len(PHASES) + "---|---|")

@@ -24,7 +24,6 @@ more touches every expert). The step's host work is what the step adds beyond th
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -32,6 +31,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+from bench.measure import median_ms, write_results
 
 PHASES = ("header", "schedule", "inputs", "launch", "wait", "update")
 
@@ -135,14 +136,7 @@ def graph_ms(eng, batch: int, replays: int) -> float | None:
         slots_list=slots,
         kv_len=101,
     )
-    times = []
-    for _ in range(replays + 3):
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        eng.graphs.run(fb)
-        torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[3:]) * 1e3
+    return median_ms(lambda: eng.graphs.run(fb), replays)  # on the loop thread: its device is current
 
 
 def weight_bytes(eng) -> int:
@@ -211,9 +205,7 @@ def main(argv=None) -> int:
         "hbm_gbps": args.hbm_gbps,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, result)
     return 0
 
 
