@@ -350,3 +350,14 @@ def test_the_context_length_defaults_to_the_models_capped_by_memory(tmp_path, mo
     monkeypatch.setattr(rank, "_free_memory", lambda device: 4 * per_token * 200)
     with pytest.raises(ValueError, match="does not fit in cpu memory even at 256 tokens each: lower Worker.max_seqs"):
         rank.context_length(0, mc, 16, torch.float32, cpu)
+
+
+def test_mps_is_seen_by_its_control_socket(tmp_path, monkeypatch):
+    """`ep_transport=auto` takes the peer windows for ranks sharing a GPU only when an MPS daemon
+    runs them side by side: its pipe directory ($CUDA_MPS_PIPE_DIRECTORY) holds `control`."""
+    from components.engine.rank import mps_running
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_running()
+    (tmp_path / "control").touch()
+    assert mps_running()
