@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, NoReturn
-from urllib.parse import urlsplit
 
 import msgspec
 import yaml
@@ -303,21 +302,15 @@ def _describe_exit(rc: int) -> str:
     return f"exited with code {rc}"
 
 
-async def answers(url: str, timeout: float) -> bool:
-    """Whether an HTTP GET of `url` gets a status line within `timeout` (any status: a process
-    that answers 503 while it starts is alive)."""
-    u = urlsplit(url)
-    host = u.hostname or "127.0.0.1"
+async def answers(session, url: str, timeout: float) -> bool:
+    """Whether an HTTP GET of `url` gets a response within `timeout` (any status: a process that
+    answers 503 while it starts is alive)."""
+    import aiohttp
+
     try:
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, u.port or 80)
-            try:
-                writer.write(f"GET {u.path or '/'} HTTP/1.0\r\nHost: {u.netloc}\r\n\r\n".encode())
-                await writer.drain()
-                return (await reader.readline()).startswith(b"HTTP/")
-            finally:
-                writer.close()
-    except (OSError, TimeoutError):
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)):
+            return True
+    except (aiohttp.ClientError, OSError, TimeoutError):
         return False
 
 
@@ -351,19 +344,22 @@ class Supervisor:
     async def _liveness(self, child: Child) -> None:
         """SIGKILL the child once it stops answering its health URL (its watch then restarts or
         reports it): a hung process is as useless as a dead one, but nothing else would notice."""
+        import aiohttp
+
         url, deadline = child.spec.health_url, child.spec.liveness_timeout_s
         every = min(1.0, deadline / 3)
         last: float | None = None  # its last answer; None before the first
-        while child.proc.returncode is None and not self.stop.is_set():
-            t = time.monotonic()
-            if await answers(url, deadline):
-                last = time.monotonic()
-            elif last is not None and time.monotonic() - last > deadline:
-                silent = time.monotonic() - last
-                _err(f"{child.label} (pid {child.pid}) did not answer {url} for {silent:.1f} s: hung, SIGKILL")
-                child.signal_group(signal.SIGKILL)
-                return
-            await asyncio.sleep(max(0.0, every - (time.monotonic() - t)))
+        async with aiohttp.ClientSession() as session:
+            while child.proc.returncode is None and not self.stop.is_set():
+                t = time.monotonic()
+                if await answers(session, url, deadline):
+                    last = time.monotonic()
+                elif last is not None and time.monotonic() - last > deadline:
+                    silent = time.monotonic() - last
+                    _err(f"{child.label} (pid {child.pid}) did not answer {url} for {silent:.1f} s: hung, SIGKILL")
+                    child.signal_group(signal.SIGKILL)
+                    return
+                await asyncio.sleep(max(0.0, every - (time.monotonic() - t)))
 
     async def _watch(self, child: Child, component: str, started: float, quick_deaths: int) -> None:
         rc = await child.proc.wait()
