@@ -320,8 +320,11 @@ class Operation:
         old = self.topology
         log.error("[op %s] rolling back to ranks %s at epoch %d: %s", self.id, old.active, epoch, reason)
         reachable = [r for r in involved if self.provider.alive(r) is not False]
+        # Survivors may be inside a collective with a rank that died during the commit: told it
+        # is gone, they give up on it now rather than at the EP timeout (the failover follows).
+        gone = sorted({*self.failed, *self.failing_serving(), *(r for r in involved if r not in reachable)})
         for msg in (
-            lambda r: Pause(),
+            lambda r: Pause(gone=gone),
             lambda r: Configure(epoch=epoch, active=old.active if r in old.active else [], placement=old.placement),
             lambda r: Resume(),
         ):
