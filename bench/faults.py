@@ -53,6 +53,7 @@ from pathlib import Path
 import httpx
 
 from harness.server import Server, Traffic, engine_reference, scale
+from harness.tamper import flip_byte, largest
 
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
 MAX_TOKENS = 24
@@ -260,14 +261,7 @@ def corrupt_snapshot_root(args) -> list[str]:
     root = Path(tempfile.mkdtemp(prefix="faults-snapshots-"))
     device = "cuda" if "--Worker.device=cuda" in args.graph_args else "cpu"
     snap, manifest = bake(root / "corrupt", device=device, tier="criu", progress=False)
-    pages = max(
-        (n for n in manifest.files if n.startswith(f"{IMAGE_DIR}/pages-")), key=lambda n: (snap / n).stat().st_size
-    )
-    with open(snap / pages, "r+b") as f:
-        f.seek(4096)
-        byte = f.read(1)
-        f.seek(4096)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(snap / largest(snap, manifest.files, f"{IMAGE_DIR}/pages-"), 4096)
     args.snapshot_root = root  # removed once the row scaled up
     return [f"--Worker.snapshot_root={root}"]
 

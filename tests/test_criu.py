@@ -21,6 +21,7 @@ import pytest
 
 import snapshot.criu as criu_mod
 from harness.server import alive
+from harness.tamper import flip_byte, largest
 from snapshot.cli import tier_lines
 from snapshot.criu import criu_status, find_criu
 from snapshot.criu_image import IMAGE_MANIFEST, CriuError, dump, restore, spawn, verify_image
@@ -240,21 +241,26 @@ def test_two_copies_of_one_image(image, work):
     assert not any(c.workdir.exists() for c in copies)
 
 
-def test_a_copy_dies_with_the_process_that_restored_it(image, work):
-    """unshare dies with the restoring process (PDEATHSIG), the init of the copy's PID namespace
-    with unshare (--kill-child), and the copy with that init: a killed restorer leaves no copy."""
-    img, _, _ = image
+def restorer(img: Path, log: Path, dies_with: int = 0) -> subprocess.Popen:
+    """A process that restores one copy of `img` (its output to `log`), prints the copy's pid and
+    waits: the restoring process a test then kills."""
     code = (
         "import sys, time\n"
         "from snapshot.criu_image import restore\n"
-        "c = restore(sys.argv[1], output=open(sys.argv[2], 'ab'))\n"
+        "c = restore(sys.argv[1], output=open(sys.argv[2], 'ab'), dies_with=int(sys.argv[3]))\n"
         "print(c.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.Popen(
-        [sys.executable, "-c", code, str(img), str(work / "orphan.log")], stdout=subprocess.PIPE, env=env, cwd=REPO
-    )
+    argv = [sys.executable, "-c", code, str(img), str(log), str(dies_with)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd=REPO)
+
+
+def test_a_copy_dies_with_the_process_that_restored_it(image, work):
+    """unshare dies with the restoring process (PDEATHSIG), the init of the copy's PID namespace
+    with unshare (--kill-child), and the copy with that init: a killed restorer leaves no copy."""
+    img, _, _ = image
+    p = restorer(img, work / "orphan.log")
     try:
         pid = int(p.stdout.readline())
         assert alive(pid)
@@ -314,20 +320,7 @@ def test_a_copy_given_a_graph_outlives_its_restorer_and_ends_with_the_graph(imag
     keeps it) but to the graph, whose end SIGTERMs it."""
     img, _, _ = image
     graph = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    code = (
-        "import sys, time\n"
-        "from snapshot.criu_image import restore\n"
-        "c = restore(sys.argv[1], output=open(sys.argv[2], 'ab'), dies_with=int(sys.argv[3]))\n"
-        "print(c.pid, flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.Popen(
-        [sys.executable, "-c", code, str(img), str(work / "kept.log"), str(graph.pid)],
-        stdout=subprocess.PIPE,
-        env=env,
-        cwd=REPO,
-    )
+    p = restorer(img, work / "kept.log", dies_with=graph.pid)
     try:
         pid = int(p.stdout.readline())
         p.kill()
@@ -354,12 +347,8 @@ def test_tampered_image_refused(image, tmp_path):
     img, m, _ = image
     bad = tmp_path / "img"
     shutil.copytree(img, bad)
-    pages = max(m.files, key=lambda n: (bad / n).stat().st_size)
-    with open(bad / pages, "r+b") as f:
-        f.seek(12345)
-        byte = f.read(1)
-        f.seek(12345)
-        f.write(bytes([byte[0] ^ 1]))
+    pages = largest(bad, m.files)
+    flip_byte(bad / pages, 12345)
     with pytest.raises(SnapshotCorrupt) as e:
         restore(bad)
     assert str(e.value) == f"CRIU image {bad}: {pages}: checksum mismatch (tampered or corrupt)"

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from harness.tamper import flip_byte
 from snapshot import cuda_checkpoint
 from snapshot.bake import DEFAULTS, bake, target_for
 from snapshot.criu import criu_status
@@ -117,11 +118,7 @@ def test_checksums_are_not_recomputed_for_unchanged_files(builtin_snap, tmp_path
     assert hashed == []
     f = d / "engine.json"
     st = f.stat()
-    with open(f, "r+b") as w:
-        w.seek(10)
-        b = w.read(1)
-        w.seek(10)
-        w.write(bytes([b[0] ^ 1]))
+    flip_byte(f, 10)
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(SnapshotCorrupt, match=r"engine\.json: checksum mismatch"):
         verify(d)
@@ -136,9 +133,7 @@ def test_tampered_file_is_named(builtin_snap, tmp_path):
     shutil.copytree(src, d)
     verify(d)
     f = d / "engine.json"
-    raw = bytearray(f.read_bytes())
-    raw[10] ^= 1
-    f.write_bytes(bytes(raw))
+    flip_byte(f, 10)
     with pytest.raises(SnapshotCorrupt, match=r"engine\.json: checksum mismatch \(tampered or corrupt\)") as e:
         verify(d)
     assert str(d) in str(e.value)

@@ -15,6 +15,7 @@ import pytest
 
 from harness.reference import make_checkpoint
 from harness.server import ROOT, Server, Traffic, engine_reference, scale
+from harness.tamper import flip_byte, largest
 from snapshot.bake import IMAGE_DIR, bake
 
 MAX_TOKENS = 24
@@ -27,14 +28,8 @@ def snapshots(tmp_path_factory):
     root = tmp_path_factory.mktemp("snapshots")
     good, _ = bake(tmp_path_factory.mktemp("later") / "good", tier="criu", progress=False)
     tampered, m = bake(root / "tampered", tier="criu", progress=False)
-    pages = max(
-        (n for n in m.files if n.startswith(f"{IMAGE_DIR}/pages-")), key=lambda n: (tampered / n).stat().st_size
-    )
-    with open(tampered / pages, "r+b") as f:
-        f.seek(4096)
-        byte = f.read(1)
-        f.seek(4096)
-        f.write(bytes([byte[0] ^ 1]))
+    pages = largest(tampered, m.files, f"{IMAGE_DIR}/pages-")
+    flip_byte(tampered / pages, 4096)
     other = make_checkpoint("mixtral", tmp_path_factory.mktemp("other-model"))
     bake(root / "other", model_dir=other, max_len=256, tier="criu", progress=False)
     return root, good, tampered / pages
