@@ -361,3 +361,18 @@ def test_mps_is_seen_by_its_control_socket(tmp_path, monkeypatch):
     assert not mps_running()
     (tmp_path / "control").touch()
     assert mps_running()
+
+
+def test_rows_grouped_by_slot_keep_their_order_within_a_slot():
+    """group_by_slot (the experts' counting sort, CPU and CUDA alike) orders rows as a stable
+    argsort of their slots, rows of no slot last, and ends each slot's group where its rows end."""
+    from components.engine.moe import group_by_slot
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        slots = int(torch.randint(1, 10, (), generator=g))
+        key = torch.randint(0, slots + 1, (int(torch.randint(1, 600, (), generator=g)),), generator=g)
+        rows, ends = group_by_slot(key, slots)
+        real = int((key < slots).sum())
+        assert rows[:real].tolist() == torch.argsort(key, stable=True)[:real].tolist()
+        assert ends.tolist() == torch.cumsum(torch.bincount(key, minlength=slots + 1)[:slots], 0).tolist()

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from components.engine.moe import group_by_slot
+
 # Measured on an H200 (8 slots, H 4096, I 14336, bf16): 64-row blocks keep a slot's weights read
 # once up to 256 rows in all (0.71-0.77 ms, the bandwidth floor 0.70); 16-row blocks re-read them
 # from 128 rows on (1.1 ms), and torch._grouped_mm takes 1.04-1.08 ms throughout.
@@ -72,22 +74,6 @@ def _expert_kernel(
             dst = row
         out = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + dst[:, None] * N + offs_n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
-
-
-def group_by_slot(key: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For `key` [M] in 0..slots (slots: no slot): the row at each group-order position, rows of
-    one slot together in their original order, and each slot's group end. A counting sort of a
-    few small kernels, its scan along the rows' (innermost) dimension: torch.argsort's radix sort
-    and a scan across the outer dimension each cost tens of microseconds at these sizes."""
-    M = key.shape[0]
-    onehot = torch.arange(slots + 1, device=key.device).unsqueeze(1) == key  # [slots + 1, M]
-    within = torch.cumsum(onehot, 1, dtype=torch.int32)
-    counts = within[:, -1]
-    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
-    pos = (starts[key] + within.gather(0, key.unsqueeze(0)).squeeze(0) - 1).long()
-    rows = torch.empty(M, dtype=torch.int32, device=key.device)
-    rows[pos] = torch.arange(M, dtype=torch.int32, device=key.device)
-    return rows, (starts + counts)[:slots].contiguous()
 
 
 def swiglu_experts(
