@@ -57,6 +57,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def gone_within(pid: int, timeout_s: float) -> bool:
+    """Whether process `pid` is gone (or a zombie) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
 def pids_with_env(marker: str) -> set[int]:
     """Live processes whose environment holds `marker` (a graph's unique discovery dir)."""
     needle = marker.encode()

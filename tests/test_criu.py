@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import snapshot.criu as criu_mod
-from harness.server import alive
+from harness.server import alive, gone_within
 from harness.tamper import flip_byte, largest
 from snapshot.cli import tier_lines
 from snapshot.criu import criu_status, find_criu
@@ -267,10 +267,7 @@ def test_a_copy_dies_with_the_process_that_restored_it(image, work):
     finally:
         p.kill()
         p.wait()
-    deadline = time.monotonic() + 30
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(pid)
+    assert gone_within(pid, 30)
 
 
 def test_a_copys_exit_status_is_reported(image, work):
@@ -332,10 +329,7 @@ def test_a_copy_given_a_graph_outlives_its_restorer_and_ends_with_the_graph(imag
         s.close()
         graph.kill()
         graph.wait()
-        deadline = time.monotonic() + 30
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(pid)
+        assert gone_within(pid, 30)
     finally:
         for q in (p, graph):
             if q.poll() is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness.server import Server, Traffic, alive, engine_reference, scale
+from harness.server import Server, Traffic, alive, engine_reference, gone_within, scale
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
@@ -234,7 +234,4 @@ def test_a_restored_joiner_outlives_the_router_and_is_adopted(restoring, referen
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
     srv.stop()
-    deadline = time.monotonic() + 30
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(pid)
+    assert gone_within(pid, 30)
