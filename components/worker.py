@@ -128,6 +128,7 @@ def rank_config(c: Worker.Config, rank: int):
         max_seqs=c.max_seqs,
         max_len=c.max_len,
         max_batched_tokens=c.max_batched_tokens,
+        batch_invariant=c.batch_invariant,
         min_ranks=c.min_ranks,
         vmm=c.vmm,
         ep_transport=c.ep_transport,

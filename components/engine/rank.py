@@ -51,7 +51,12 @@ class RankConfig(msgspec.Struct, frozen=True):
     max_batched_tokens: int = 256
     min_ranks: int = 1  # fewest active ranks that must hold every expert: sizes the expert slots
     redundant_experts: int = 0
-    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)  # decode batch sizes captured on CUDA; () = eager
+    # Outputs that do not change with the load (Scheduler's batch-invariant policy, one decode graph
+    # of max_seqs rows); False: mixed steps and a graph per power of two, outputs in bf16 then
+    # change with what else runs.
+    batch_invariant: bool = True
+    # Decode batch sizes captured on CUDA; None: decode_graph_sizes's choice; (): eager.
+    cuda_graph_sizes: tuple[int, ...] | None = None
     idle_wait_s: float = 0.002
     ep_timeout_s: float = 30.0
     vmm: bool = False  # CUDA: weights, expert slots and KV in one VMM arena (release_memory/restore_memory)
@@ -94,6 +99,18 @@ def context_length(requested: int, mc, max_seqs: int, dtype: torch.dtype, device
         per_token * positions / 1e9,
     )
     return length
+
+
+def decode_graph_sizes(cfg: RankConfig) -> list[int]:
+    """The decode batch sizes a CUDA rank captures. Batch-invariant: max_seqs alone, so a decode
+    step is the same graph under any load; its padding rows are not dispatched to experts and
+    attend over one key block. Otherwise powers of two up to max_seqs, and max_seqs itself, so
+    no decode batch falls back to eager kernels."""
+    if cfg.cuda_graph_sizes is not None:
+        return sorted(b for b in cfg.cuda_graph_sizes if b <= cfg.max_seqs)
+    if cfg.batch_invariant:
+        return [cfg.max_seqs]
+    return sorted({*(1 << i for i in range(cfg.max_seqs.bit_length()) if 1 << i < cfg.max_seqs), cfg.max_seqs})
 
 
 def _free_memory(device: torch.device) -> int:
@@ -180,12 +197,14 @@ class EngineRank:
 
             self.arena = place_engine_memory(self.model, self.kv, self.device)  # before graph capture
         self.graphs = None
-        sizes = [b for b in cfg.cuda_graph_sizes if b <= cfg.max_seqs]
+        sizes = decode_graph_sizes(cfg)
         if self.device.type == "cuda" and sizes:
             from components.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs)
-        self.sched = Scheduler(cfg.max_seqs, self.max_len, cfg.max_batched_tokens, mc.eos_token_ids)
+        self.sched = Scheduler(
+            cfg.max_seqs, self.max_len, cfg.max_batched_tokens, mc.eos_token_ids, invariant=cfg.batch_invariant
+        )
         self.epoch = 0
         self.placement: Placement | None = None  # the one configured with `epoch`
         self.steps = 0  # forward steps taken (dummy steps included)

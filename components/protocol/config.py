@@ -24,6 +24,11 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_seqs: int = 16
     max_len: int = 0  # longest sequence; 0 = the model's context length, capped by memory
     max_batched_tokens: int = 256
+    # Greedy outputs (and seeded samples) that do not change with the load, bit for bit: a step
+    # is either all decodes, as one CUDA graph of max_seqs rows, or one chunk of one prompt (see
+    # components/engine/scheduler.py). False: vLLM's mixed steps and a graph per batch size,
+    # whose kernels follow the batch, so bf16 completions change with what else runs.
+    batch_invariant: bool = True
     # Baked snapshots (`snapshot-bake bake`, the criu tier) new joiners are restored from; "" =
     # none. One that does not match this deployment, fails its checksums or fails to restore is
     # refused (the reason logged and in the operation's record) and the joiner cold-starts.
