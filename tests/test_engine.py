@@ -69,21 +69,25 @@ def test_single_rank_matches_transformers(model, device, invariant):
 
 
 @pytest.mark.gpu
-def test_bf16_greedy_does_not_change_with_the_load(model):
-    """Each of 24 prompts alone, then all at once through 8 sequence slots (so they start and
-    end at different steps beside different neighbours): the same tokens, bit for bit in bf16,
-    where the kernels of mixed steps follow the batch."""
-    path = model[0]
+def test_bf16_greedy_does_not_change_with_the_load(tmp_path):
+    """Each of 32 prompts alone, then all at once through 16 sequence slots (so they start and
+    end at different steps beside different neighbours): the same tokens, bit for bit in bf16.
+    A Mixtral-shaped model wide enough for bf16 rounding to flip greedy choices: under mixed
+    steps 1 of these 32 completions changed with the load on an H200, and 23 of 32 for the
+    5.4 GiB model of bench.mixtral_like."""
+    from bench.mixtral_like import write
+
+    path = write(tmp_path / "m", 2, 1024, 3584, 8, 8, 2)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(4, 200, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (24,), generator=g)]
-    eng = single_rank(path, "cuda", dtype="bfloat16", max_seqs=8)
+    prompts = [torch.randint(4, 500, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (32,), generator=g)]
+    eng = single_rank(path, "cuda", dtype="bfloat16", max_seqs=16, max_len=512)
     eng.start()
     try:
-        alone = [generate(eng, [p], 32, ignore_eos=True)[0][0] for p in prompts]
-        loaded, _ = generate(eng, prompts, 32, ignore_eos=True)
+        alone = [generate(eng, [p], 48, ignore_eos=True)[0][0] for p in prompts]
+        loaded, _ = generate(eng, prompts, 48, ignore_eos=True)
     finally:
         eng.stop()
-    assert eng.graphs.sizes == [8]
+    assert eng.graphs.sizes == [16]
     assert [i for i, (a, b) in enumerate(zip(alone, loaded)) if a != b] == []
 
 
