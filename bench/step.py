@@ -138,8 +138,11 @@ def graph_ms(eng, batch: int, replays: int) -> float | None:
     from components.engine.layers import ForwardBatch
 
     dev, slots = eng.device, list(range(batch))
+    # Distinct tokens, so that rows spread over the experts as a real batch's do (one token
+    # repeated routes every row to the same two).
+    ids = torch.randint(0, eng.model_config.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
     fb = ForwardBatch(
-        input_ids=torch.ones(batch, dtype=torch.int64, device=dev),
+        input_ids=ids.to(dev),
         positions=torch.full((batch,), 100, dtype=torch.int64, device=dev),
         token_slots=torch.tensor(slots, device=dev),
         slots=torch.tensor(slots, device=dev),
