@@ -102,15 +102,17 @@ def context_length(requested: int, mc, max_seqs: int, dtype: torch.dtype, device
 
 
 def decode_graph_sizes(cfg: RankConfig) -> list[int]:
-    """The decode batch sizes a CUDA rank captures. Batch-invariant: max_seqs alone, so a decode
-    step is the same graph under any load; its padding rows are not dispatched to experts and
-    attend over one key block. Otherwise powers of two up to max_seqs, and max_seqs itself, so
-    no decode batch falls back to eager kernels."""
+    """The row counts a CUDA rank captures graphs for. Batch-invariant: max_seqs for every decode
+    step, so a decode is the same graph under any load (padding rows are dispatched to no expert
+    and attend over one key block), and the powers of two above it up to max_batched_tokens for
+    prompt chunks, one token a row, the size chosen by the chunk alone. Otherwise powers of two up
+    to max_seqs, and max_seqs itself, so no decode batch falls back to eager kernels."""
+    top, budget = cfg.max_seqs, cfg.max_batched_tokens
     if cfg.cuda_graph_sizes is not None:
-        return sorted(b for b in cfg.cuda_graph_sizes if b <= cfg.max_seqs)
+        return sorted(b for b in cfg.cuda_graph_sizes if b <= max(top, budget))
     if cfg.batch_invariant:
-        return [cfg.max_seqs]
-    return sorted({*(1 << i for i in range(cfg.max_seqs.bit_length()) if 1 << i < cfg.max_seqs), cfg.max_seqs})
+        return sorted({top, *(1 << i for i in range(budget.bit_length()) if top < 1 << i < budget), max(top, budget)})
+    return sorted({*(1 << i for i in range(top.bit_length()) if 1 << i < top), top})
 
 
 def _free_memory(device: torch.device) -> int:
@@ -505,10 +507,18 @@ class EngineRank:
             self.model.dummy_step()
             self._settle()
             return
-        batch = self.sched.batch(work, self.device)
+        # A prompt chunk of a batch-invariant rank runs through the graphs one token a row, in the
+        # graph its length picks: only its last row's logits are sampled.
+        rows = (
+            self.graphs is not None
+            and self.cfg.batch_invariant
+            and len(work) == 1
+            and 1 < work[0][1] <= self.graphs.sizes[-1]
+        )
+        batch = self.sched.batch(work, self.device, per_token=rows)
         params = self._sample_params(work)  # copied in before the forward is queued: no wait
         if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(batch)
+            logits = self.graphs.run(batch)[-1:] if rows else self.graphs.run(batch)
         else:
             logits = self.model(batch, self.kv)
         ids = torch.argmax(logits, dim=-1) if params is None else sample(logits, *params)

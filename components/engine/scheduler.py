@@ -101,7 +101,9 @@ class Scheduler:
             return [(seq, min(seq.sample_from - seq.num_computed, self.budget))]
         return decodes
 
-    def batch(self, work: list[tuple[Sequence, int]], device, graph_len: int | None = None) -> ForwardBatch:
+    def batch(self, work: list[tuple[Sequence, int]], device, per_token: bool = False) -> ForwardBatch:
+        """`per_token` (one prompt's chunk): each token a row of its own, its context ending at
+        itself, so the chunk runs through the decode graphs with causal attention by row length."""
         ids, pos, tslots, last, ctx = [], [], [], [], []
         for seq, n in work:
             start = seq.num_computed
@@ -110,8 +112,9 @@ class Scheduler:
             tslots += [seq.slot] * n
             last.append(len(ids) - 1)
             ctx.append(start + n)
-
-        slots = [s.slot for s, _ in work]
+        if per_token:
+            last, ctx = list(range(len(ids))), [p + 1 for p in pos]
+        slots = tslots if per_token else [s.slot for s, _ in work]
 
         def t(v):
             return torch.tensor(v, dtype=torch.int64, device=device)
@@ -123,10 +126,10 @@ class Scheduler:
             slots=t(slots),
             ctx_lens=t(ctx),
             last_index=t(last),
-            q_lens=[n for _, n in work],
+            q_lens=[1] * len(ids) if per_token else [n for _, n in work],
             ctx_lens_list=ctx,
             slots_list=slots,
-            kv_len=graph_len or max(ctx),
+            kv_len=max(ctx),
         )
 
     def update(self, work: list[tuple[Sequence, int]], next_tokens: list[int | None]) -> None:
