@@ -4,12 +4,15 @@ latest requested size wins over every one still queued (whole operations run in 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from components.control import scaling
 from components.control.scaling import _FINAL, _NEXT, Phase, Scaler
 from components.protocol.config import RouterConfig
+from components.protocol.messages import Configure, ControlReply, Disconnect, LoadExperts, Pause, Resume
+from components.protocol.placement import balanced_placement, changed_slots, shrink
 from components.protocol.topology import Committed, OpRecord, ScaleMode, ScaleRequest
 
 
@@ -182,3 +185,119 @@ def test_the_journal_gives_a_restarted_router_its_history(tmp_path, monkeypatch)
     reloaded = scaling.OpJournal(path).load()
     assert len(path.read_text().splitlines()) == 20 and reloaded[-1] == cut
     assert next(scaling.Operation._ids) == 26
+
+
+class Ranks:
+    """The router's and the capacity provider's side of an operation, recording what it sends;
+    `dead`: serving ranks the router found dead."""
+
+    def __init__(self, ranks, dead=()):
+        self.known, self.dead = set(ranks), set(dead)
+        self.sent: dict[int, list] = {r: [] for r in ranks}
+        self.fenced: list[tuple[int, int]] = []
+
+    async def send(self, rank, msg):
+        self.sent[rank].append(msg)
+        return ControlReply(ok=True)
+
+    def failed(self, rank):
+        return rank in self.dead
+
+    def status(self, rank):
+        if rank not in self.known:
+            raise KeyError(rank)
+        return SimpleNamespace(pid=100 + rank)
+
+    def forget(self, rank):
+        self.known.discard(rank)
+
+    def alive(self, rank):
+        return None  # not started by this provider: only the router knows
+
+    async def fence(self, rank, pid, op):
+        self.fenced.append((rank, pid))
+
+
+def rolled_back(dead):
+    """A scale-up 3 -> 4 whose commit of epoch 6 failed, rolled back at epoch 7 with `dead` found
+    dead: the rollback's messages to each rank, the operation, and the placement before."""
+    placement = balanced_placement(2, 8, 4, 4, [0, 1, 2])
+    ranks = Ranks([0, 1, 2, 3], dead)
+    op = scaling.Operation(
+        ScaleRequest(dp_size=4), Committed(epoch=5, active=[0, 1, 2], placement=placement), [], ranks, ranks,
+        RouterConfig(), max_ranks=4, num_experts=8,
+    )  # fmt: skip
+    asyncio.run(op.rollback([0, 1, 2, 3], 7, "commit of epoch 6 failed"))
+    return ranks, op, placement
+
+
+def test_a_rollback_masks_out_a_serving_rank_found_dead_as_a_failover_would():
+    """Never an epoch with a dead rank active: rank 1 is fenced, the survivors stop waiting for it,
+    reload the experts it alone held, and go back to the old set without it."""
+    ranks, op, before = rolled_back(dead=[1])
+    target = shrink(before, [1], 8)
+    assert op.topology == Committed(epoch=7, active=[0, 2], placement=target) and op.record.masked == [1]
+    assert ranks.fenced == [(1, 101)] and 1 not in ranks.known and ranks.sent[1] == []
+    reload = {slot // 4 for _, slot in changed_slots(before, target)}
+    assert reload and reload <= {0, 2}
+    for r in (0, 2):
+        expected = [
+            Pause(gone=[1]),
+            *([LoadExperts(placement=target, since=before)] if r in reload else []),
+            Configure(epoch=7, active=[0, 2], placement=target),
+            Resume(),
+            Disconnect(ranks=[1]),
+        ]
+        assert ranks.sent[r] == expected, r
+    # The joiner is configured out.
+    assert ranks.sent[3] == [Pause(gone=[1]), Configure(epoch=7, active=[], placement=target), Resume()]
+
+
+def test_a_rollback_with_every_rank_alive_goes_back_to_the_old_set():
+    ranks, op, before = rolled_back(dead=[])
+    assert op.topology == Committed(epoch=7, active=[0, 1, 2], placement=before) and op.record.masked == []
+    assert ranks.fenced == []
+    for r in (0, 1, 2, 3):
+        active = [0, 1, 2] if r < 3 else []
+        assert ranks.sent[r] == [Pause(), Configure(epoch=7, active=active, placement=before), Resume()], r
+
+
+def test_ranks_a_rollback_masked_out_are_replaced(monkeypatch):
+    """A rolled-back operation that masked a dead rank out leaves the deployment a rank short: the
+    scaler asks for the size before it, as after a failover."""
+    started: list[tuple[list[int], int]] = []
+
+    class Op:
+        preempted = False
+
+        def __init__(self, req, topology, *rest, **kw):
+            self.req, self.topology = req, topology
+            self.record = OpRecord(
+                id=f"to-{req.dp_size}", kind="up", mode=req.mode, from_size=len(topology.active),
+                to_size=req.dp_size, phase="queued", joiners=[], leaving=[], phases={},
+            )  # fmt: skip
+
+        async def execute(self, load_now):
+            started.append((self.topology.active, self.req.dp_size))
+            if len(started) == 1:  # rank 1 died in the commit
+                self.record.phase, self.record.masked = "rolled_back", [1]
+                return Committed(epoch=self.topology.epoch + 1, active=[0, 2], placement=None)
+            self.record.phase = "done"
+            return Committed(epoch=self.topology.epoch + 1, active=[0, 1, 2], placement=None)
+
+    monkeypatch.setattr(scaling, "Operation", Op)
+
+    async def run():
+        owner, ready = Owner(), asyncio.Event()
+        owner.committed = Committed(epoch=1, active=[0, 1, 2], placement=None)
+        scaler = Scaler(owner, None, None, RouterConfig(), max_ranks=4)
+        task = asyncio.create_task(scaler.run(ready))
+        ready.set()
+        scaler.request(ScaleRequest(dp_size=4))
+        last = await scaler.wait_idle()
+        task.cancel()
+        return owner, last
+
+    owner, last = asyncio.run(run())
+    assert started == [([0, 1, 2], 4), ([0, 2], 3)]
+    assert owner.committed.active == [0, 1, 2] and last.phase == "done"

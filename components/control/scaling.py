@@ -316,26 +316,58 @@ class Operation:
             return False
 
     async def rollback(self, involved, epoch: int, reason: str) -> None:
+        """Back to the previous set under `epoch`, less the serving ranks found dead: those are
+        fenced and masked out as a failover would (their experts reloaded on the survivors), so
+        that no epoch ever lists a dead rank as active and routable."""
         self.undoing = True
         old = self.topology
-        log.error("[op %s] rolling back to ranks %s at epoch %d: %s", self.id, old.active, epoch, reason)
-        reachable = [r for r in involved if self.provider.alive(r) is not False]
+        dead = [r for r in old.active if r in self.failed or self.port.failed(r) or self.provider.alive(r) is False]
+        active, placement = old.active, old.placement
+        if dead and len(dead) < len(old.active):
+            try:
+                placement = shrink(old.placement, dead, self.num_experts)
+                active = [r for r in old.active if r not in dead]
+            except ValueError as e:  # the failover that follows fails the same way, and says so
+                log.error("[op %s] cannot mask ranks %s out in the rollback: %s", self.id, dead, e)
+        masked = [r for r in old.active if r not in active]
+        log.error(
+            "[op %s] rolling back to ranks %s at epoch %d: %s%s",
+            self.id,
+            active,
+            epoch,
+            reason,
+            f"; masking out ranks {masked}, found dead" if masked else "",
+        )
+        await self.fence(masked)
+        reachable = [r for r in involved if r not in masked and self.provider.alive(r) is not False]
         # Survivors may be inside a collective with a rank that died during the commit: told it
-        # is gone, they give up on it now rather than at the EP timeout (the failover follows).
-        gone = sorted({*self.failed, *self.failing_serving(), *(r for r in involved if r not in reachable)})
-        for msg in (
-            lambda r: Pause(gone=gone),
-            lambda r: Configure(epoch=epoch, active=old.active if r in old.active else [], placement=old.placement),
-            lambda r: Resume(),
+        # is gone, they give up on it now rather than at the EP timeout.
+        gone = sorted({*self.failed, *dead, *(r for r in involved if r not in reachable)})
+        reload = sorted({slot // placement.slots_per_rank for _, slot in changed_slots(old.placement, placement)})
+        for ranks, msg in (
+            (reachable, lambda r: Pause(gone=gone)),
+            (reload, lambda r: LoadExperts(placement=placement, since=old.placement)),
+            (reachable, lambda r: Configure(epoch=epoch, active=active if r in active else [], placement=placement)),
+            (reachable, lambda r: Resume()),
+            (active if masked else [], lambda r: Disconnect(ranks=masked)),
         ):
             results = await asyncio.gather(
-                *(self.call([r], msg, self.cfg.commit_timeout_s) for r in reachable), return_exceptions=True
+                *(self.call([r], msg, self.cfg.commit_timeout_s) for r in ranks), return_exceptions=True
             )
-            for r, res in zip(reachable, results):
+            for r, res in zip(ranks, results):
                 if isinstance(res, Exception):
                     log.error("[op %s] rank %d missed the rollback: %s", self.id, r, res)
-        self.topology = Committed(epoch=epoch, active=old.active, placement=old.placement)
+        self.topology = Committed(epoch=epoch, active=active, placement=placement)
+        self.record.masked = sorted({*self.record.masked, *masked})
         self.rolled_back = True
+
+    async def fence(self, ranks: list[int]) -> None:
+        """Failed serving ranks can never act again (never two epochs: a stalled rank that comes
+        back must find itself gone), and are no longer known."""
+        for r in ranks:
+            if self._known(r):  # not yet fenced by an earlier attempt
+                await self.provider.fence(r, self.port.status(r).pid, self.id)
+                self.port.forget(r)
 
     # ---- the operations ----------------------------------------------------------------------
     async def scale_up(self) -> None:
@@ -428,16 +460,14 @@ class Operation:
             raise ScaleError(f"every serving rank failed ({failed}): nothing to fail over to")
         target = shrink(current, failed, self.num_experts)
         self.transition(Phase.MASKING, f"ranks {failed} failed; survivors {survivors} pause and reload their experts")
-        for r in failed:  # never two epochs: a stalled rank that comes back must find itself gone
-            if self._known(r):  # not yet fenced by an earlier attempt
-                await self.provider.fence(r, self.port.status(r).pid, self.id)
-                self.port.forget(r)
+        await self.fence(failed)
         self.pause_t0 = time.monotonic()
         await self.call(survivors, lambda r: Pause(gone=failed), self.cfg.commit_timeout_s)
         reload = sorted({slot // target.slots_per_rank for _, slot in changed_slots(current, target)})
         await self.call(reload, lambda r: LoadExperts(placement=target, since=current))
         self.transition(Phase.COMMITTING)
         self.scale_committed(await self.commit(survivors, target))
+        self.record.masked = list(failed)
         await self.call(survivors, lambda r: Disconnect(ranks=failed))
 
     def scale_committed(self, downtime: float) -> None:
@@ -495,9 +525,11 @@ class Operation:
                 else:
                     await self.provider.release(j, self.id, graceful=False)
                 self.port.forget(j)
-        if self.leaving:  # back into routing: they never left the active set
+        # Not those found dead (a failover's, or those its rollback masked out).
+        back = [r for r in self.leaving if r in self.active and r not in self.failed]
+        if back:  # back into routing: they never left the active set
             await asyncio.gather(
-                *(self.call([r], lambda r: SetRoutable(routable=True), t) for r in self.leaving),
+                *(self.call([r], lambda r: SetRoutable(routable=True), t) for r in back),
                 return_exceptions=True,
             )
         if self.pause_t0 is not None:  # mode A paused serving for the operation
@@ -678,16 +710,18 @@ class Scaler:
             self.current = None
             self.owner.operation_ended(op.record, result)
             if op.preempted and not failed and self.pending is None:
-                # Cut short by a failed serving rank: tried again after the failover, and then
-                # it also replaces what failed (an injected fault was this attempt's).
-                log.info("[op %s] its target dp_size %d is requested again after the failover", op.id, req.dp_size)
+                # Cut short by a failed serving rank: tried again once that rank is masked out (by
+                # the failover, or by this operation's rollback), and then it also replaces what
+                # failed (an injected fault was this attempt's).
+                log.info("[op %s] its target dp_size %d is requested again", op.id, req.dp_size)
                 self.pending = msgspec.structs.replace(req, fault="")
-            if failed and op.record.phase != "done":
+            masked = set(op.record.masked)  # by a failover, or by a rollback
+            if not masked.issuperset(failed):
                 # A survivor failed too (it is found and joins `failing`): try again shortly.
                 await asyncio.sleep(self.cfg.status_interval_s)
                 continue
-            self.failing -= set(failed)
-            if failed and op.record.phase == "done" and self.pending is None:
+            self.failing -= masked
+            if masked and self.pending is None:
                 # The capacity provider replaces what failed: back to the size before.
                 self.pending = ScaleRequest(dp_size=len(start.active))
 
