@@ -80,7 +80,13 @@ class Router(Component):
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
         health = f"http://{f'[{host}]' if ':' in host else host}:{config.port}/health"
         return [
-            msgspec.structs.replace(s, restart=True, health_url=health, liveness_timeout_s=config.liveness_timeout_s)
+            msgspec.structs.replace(
+                s,
+                restart=True,
+                health_url=health,
+                liveness_timeout_s=config.liveness_timeout_s,
+                startup_timeout_s=config.startup_timeout_s,
+            )
             for s in super().processes(config, ctx)
         ]
 
