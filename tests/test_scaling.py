@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from components.control import scaling
-from components.control.scaling import _FINAL, _NEXT, Phase, Scaler
+from components.control.scaling import _FINAL, _NEXT, Phase, Scaler, Tally
 from components.protocol.config import RouterConfig
 from components.protocol.messages import Configure, ControlReply, Disconnect, LoadExperts, Pause, Resume
 from components.protocol.placement import balanced_placement, changed_slots, shrink
@@ -145,46 +145,75 @@ def test_the_latest_target_wins(monkeypatch):
     assert owner.committed.active == [0, 1, 2, 3, 4] and owner.committed.epoch == 3
 
 
-def test_the_journal_gives_a_restarted_router_its_history(tmp_path, monkeypatch):
+def rec(n: int, phase: str, kind: str = "up", followup_error: str = "") -> OpRecord:
+    return OpRecord(
+        id=f"op-{n}-{kind}-2to3",
+        kind=kind,
+        mode=ScaleMode.PREPARE_ASYNC_REUSE_GRAPHS,
+        from_size=2,
+        to_size=3,
+        phase=phase,
+        joiners=[2],
+        leaving=[],
+        phases={},
+        started_at=float(n),
+        followup_error=followup_error,
+    )
+
+
+def test_the_journal_gives_a_restarted_router_its_history_and_counters(tmp_path, monkeypatch):
     """The last line of each id wins, a line torn by the kill is skipped, the file keeps only the
-    recent history; what was in flight is interrupted, with the adoption's outcome, and the next
-    ids follow on."""
-
-    def rec(n: int, phase: str) -> OpRecord:
-        return OpRecord(
-            id=f"op-{n}-up-2to3",
-            kind="up",
-            mode=ScaleMode.PREPARE_ASYNC_REUSE_GRAPHS,
-            from_size=2,
-            to_size=3,
-            phase=phase,
-            joiners=[2],
-            leaving=[],
-            phases={},
-            started_at=float(n),
-        )
-
+    recent history and a tally of the rest; what was in flight is interrupted, with the adoption's
+    outcome, and the next ids follow on. The counters go on from the last router's."""
     path = tmp_path / "router" / "operations.jsonl"
     path.parent.mkdir()
     journal = scaling.OpJournal(path)
     for n in range(1, 26):
         journal.save(rec(n, "starting"))
-        journal.save(rec(n, "done" if n < 25 else "loading"))
+        journal.save(rec(n, "done" if n < 25 else "loading", followup_error="rebalance failed" if n == 3 else ""))
     with path.open("ab") as f:
         f.write(b'{"id": "op-26-up')  # the kill came mid-write
     monkeypatch.setattr(scaling.Operation, "_ids", scaling.Operation._ids)  # restored after the test
     scaler = Scaler(Owner(), None, None, RouterConfig(), max_ranks=8, journal=scaling.OpJournal(path))
     assert [r.id for r in scaler.history] == [f"op-{n}-up-2to3" for n in range(6, 26)]
     assert [r.phase for r in scaler.history] == ["done"] * 19 + ["loading"]
+    assert scaler.tally == Tally(outcomes={"up": {"done": 24}}, followup_failures=1)
     scaler.settle("adopted epoch 4: ranks [0, 1] active, none parked, [2] stopped")
     cut = scaler.history[-1]
     assert cut.phase == "interrupted" and cut.error == (
         "the router running it stopped in loading; the next one adopted epoch 4: ranks [0, 1] active, "
         "none parked, [2] stopped"
     )
-    reloaded = scaling.OpJournal(path).load()
-    assert len(path.read_text().splitlines()) == 20 and reloaded[-1] == cut
+    assert scaler.tally == Tally(outcomes={"up": {"done": 24, "interrupted": 1}}, followup_failures=1)
+    lines = path.read_text().splitlines()
+    # The 5 operations dropped (one with a failed follow-up) are tallied on the first line.
+    assert len(lines) == 22 and lines[0] == '{"outcomes":{"up":{"done":5}},"followup_failures":1}'
+    records, tally = scaling.OpJournal(path).load()
+    assert records[-1] == cut and tally == scaler.tally
     assert next(scaling.Operation._ids) == 26
+
+
+def test_the_journal_is_compacted_while_the_router_runs(tmp_path):
+    """It gains a line per phase change; past `compact_after` lines it is rewritten with the recent
+    history alone, and loads as if it had never been compacted."""
+
+    def run(path, compact_after: int) -> list[int]:
+        journal, sizes = scaling.OpJournal(path, compact_after), []
+        journal.load()
+        for n in range(1, 41):
+            for phase in ("starting", "loading", "committing", "done" if n % 4 else "aborted"):
+                journal.save(rec(n, phase, kind="up" if n % 3 else "down"))
+                sizes.append(len(path.read_text().splitlines()))
+        return sizes
+
+    compacted, plain = tmp_path / "compacted.jsonl", tmp_path / "plain.jsonl"
+    sizes = run(compacted, compact_after=30)
+    assert max(sizes) == 30 and sizes[-1] < 30
+    assert max(run(plain, compact_after=10_000)) == 160
+    assert scaling.OpJournal(compacted).load() == scaling.OpJournal(plain).load()
+    records, tally = scaling.OpJournal(compacted).load()
+    assert [r.id for r in records] == [rec(n, "done", kind="up" if n % 3 else "down").id for n in range(21, 41)]
+    assert tally == Tally(outcomes={"up": {"done": 20, "aborted": 7}, "down": {"done": 10, "aborted": 3}})
 
 
 class Ranks:

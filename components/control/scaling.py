@@ -563,20 +563,50 @@ class Operation:
 
 
 INTERRUPTED = "interrupted"  # an operation's phase once the router that ran it is gone
+ENDED = {p.value for p in _FINAL} | {INTERRUPTED}
 HISTORY = 20  # operations kept in the history (and its journal)
+COMPACT_AFTER = 500  # journal lines (some 25 phase changes per operation kept) that trigger a compaction
+
+
+class Tally(msgspec.Struct, forbid_unknown_fields=True):
+    """The router's operation counters: operations by kind and how they ended, and those whose
+    follow-up failed after their commit."""
+
+    outcomes: dict[str, dict[str, int]] = {}  # kind -> final phase (or interrupted) -> count
+    followup_failures: int = 0
+
+    def count(self, record: OpRecord) -> None:
+        """Count an operation that ended (others are not yet)."""
+        if record.phase not in ENDED:
+            return
+        of_kind = self.outcomes.setdefault(record.kind, {})
+        of_kind[record.phase] = of_kind.get(record.phase, 0) + 1
+        self.followup_failures += bool(record.followup_error)
+
+    def add(self, other: Tally) -> None:
+        for kind, ends in other.outcomes.items():
+            of_kind = self.outcomes.setdefault(kind, {})
+            for phase, n in ends.items():
+                of_kind[phase] = of_kind.get(phase, 0) + n
+        self.followup_failures += other.followup_failures
 
 
 class OpJournal:
     """The operation history as JSON lines, one line per record at each phase change (the last
     line of an id wins), so that a router `dynamo serve` restarted shows the history and what its
-    predecessor left in flight. Appended without fsync: a killed process's writes survive it."""
+    predecessor left in flight, and counts on from its counters. Appended without fsync: a killed
+    process's writes survive it. Compacted to the last `HISTORY` records, after a line that tallies
+    the operations dropped, when loaded and whenever it reached `compact_after` lines."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, compact_after: int = COMPACT_AFTER):
+        self.path, self.compact_after = path, compact_after
+        self.records: dict[str, OpRecord] = {}  # the latest state of each operation in the file
+        self.dropped = Tally()  # what the operations compacted away counted
+        self.lines = 0  # in the file
 
-    def load(self) -> list[OpRecord]:
-        """The records, oldest first (the last `HISTORY`); the file is rewritten with only them."""
-        records: dict[str, OpRecord] = {}
+    def load(self) -> tuple[list[OpRecord], Tally]:
+        """The records, oldest first (the last `HISTORY`), and the tally of every operation the
+        journal saw end; the file is compacted."""
         try:
             lines = self.path.read_bytes().splitlines()
         except FileNotFoundError:
@@ -584,30 +614,54 @@ class OpJournal:
         for line in lines:
             try:
                 rec = msgspec.json.decode(line, type=OpRecord)
-            except msgspec.DecodeError:  # a line torn by the kill, or not ours: skipped
+            except msgspec.DecodeError:
+                try:
+                    self.dropped = msgspec.json.decode(line, type=Tally)
+                except msgspec.DecodeError:  # a line torn by the kill, or not ours: skipped
+                    pass
                 continue
-            records.pop(rec.id, None)  # re-inserted: ordered by its latest line
-            records[rec.id] = rec
-        kept = sorted(records.values(), key=lambda r: r.started_at)[-HISTORY:]
+            self.records[rec.id] = rec
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in kept))
-        tmp.replace(self.path)
-        return kept
+        self.compact()
+        total = Tally()
+        total.add(self.dropped)
+        for rec in self.records.values():
+            total.count(rec)
+        return list(self.records.values()), total
 
     def save(self, record: OpRecord) -> None:
+        self.records[record.id] = record
         try:
+            if self.lines >= self.compact_after:
+                self.compact()
+                return
             with self.path.open("ab") as f:
                 f.write(msgspec.json.encode(record) + b"\n")
+            self.lines += 1
         except OSError as e:  # the history is for people: losing a line must not fail the operation
             log.warning("[op %s] could not journal its record to %s: %s", record.id, self.path, e)
+
+    def compact(self) -> None:
+        """Rewrite the file with the last `HISTORY` records, the older ones only tallied."""
+        ordered = sorted(self.records.values(), key=lambda r: r.started_at)
+        for rec in ordered[:-HISTORY]:
+            self.dropped.count(rec)
+        kept = ordered[-HISTORY:]
+        self.records = {r.id: r for r in kept}
+        lines = [msgspec.json.encode(r) for r in kept]
+        if self.dropped != Tally():
+            lines.insert(0, msgspec.json.encode(self.dropped))
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(b"".join(line + b"\n" for line in lines))
+        tmp.replace(self.path)
+        self.lines = len(lines)
 
 
 class Scaler:
     """Runs operations one at a time toward the latest requested size. While one runs, the
     topology it has committed so far is the deployment's (`topology`). With a `journal`, the
-    history outlives the router: a restarted one reloads it (`settle` then says how what was in
-    flight ended)."""
+    history and the counters (`tally`) outlive the router: a restarted one reloads them (`settle`
+    then says how what was in flight ended)."""
 
     def __init__(
         self,
@@ -623,7 +677,7 @@ class Scaler:
         self.pending: ScaleRequest | None = None
         self.failing: set[int] = set()  # serving ranks found dead, not yet failed over
         self.current: Operation | None = None
-        self.history: list[OpRecord] = journal.load() if journal else []
+        self.history, self.tally = journal.load() if journal else ([], Tally())
         numbers = [int(m.group(1)) for r in self.history if (m := re.match(r"op-(\d+)-", r.id))]
         if numbers:
             Operation.number_after(max(numbers))
@@ -648,10 +702,11 @@ class Scaler:
         """The reloaded operations the last router left unfinished are over: `interrupted`, with
         what the router that took over made of the deployment (`outcome`)."""
         for rec in self.history:
-            if rec.phase not in {p.value for p in _FINAL} and rec.phase != INTERRUPTED:
+            if rec.phase not in ENDED:
                 rec.error = f"the router running it stopped in {rec.phase}; the next one {outcome}"
                 log.warning("[op %s] interrupted: %s", rec.id, rec.error)
                 rec.phase = INTERRUPTED
+                self.tally.count(rec)
                 self._journal(rec)
 
     def _journal(self, record: OpRecord) -> None:
@@ -708,6 +763,7 @@ class Scaler:
             self._journal(op.record)
             result = await op.execute(self.owner.expert_load)
             self.current = None
+            self.tally.count(op.record)
             self.owner.operation_ended(op.record, result)
             if op.preempted and not failed and self.pending is None:
                 # Cut short by a failed serving rank: tried again once that rank is masked out (by
