@@ -5,6 +5,7 @@ request completes with the tokens a static deployment gives, and the next scale 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -117,6 +118,52 @@ def test_a_serving_rank_killed_during_a_scale_up_is_failed_over_first(server, re
     assert (failover["kind"], failover["leaving"], failover["phase"]) == ("failover", [1], "done"), failover
     assert (again["kind"], again["from_size"], again["to_size"], again["phase"]) == ("up", 2, 4, "done"), again
     assert sorted(again["joiners"]) == [1, 3]
+    assert server.topology()["active"] == [0, 1, 2, 3]
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(server, 3)["phase"] == "done"
+
+
+def test_a_serving_rank_killed_inside_a_commit_is_masked_out_by_the_rollback(server, reference):
+    """Rank 1 dies inside the commit of a scale-up 3 -> 4: ranks 0-2 resumed at the new epoch and
+    wait in a collective for the joiner, which holds its own Resume back (injected). The commit
+    gives way, and its rollback, told rank 1 is gone, lets the survivors give up on it at once
+    and installs the old set without it (fenced, its experts reloaded on the survivors): no epoch
+    after the kill lists rank 1. The scale-up then runs again and also replaces rank 1. Nothing is
+    lost, every token is right, no wedge."""
+    assert server.topology()["active"] == [0, 1, 2]
+    pid, before = pid_of(server, 1), operation_ids(server)
+    stalled, timed_out, abandoned = "injected fault: stalling resume", "timed out after", "rank 1 declared gone"
+    seen, seen_timeouts, seen_abandoned = (server.output.count(s) for s in (stalled, timed_out, abandoned))
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        time.sleep(1.0)
+        r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_on=resume,stall_s=8"})
+        assert r.status_code == 202, r.text
+        deadline = time.monotonic() + 120
+        while server.output.count(stalled) == seen:
+            assert time.monotonic() < deadline, server.tail(60)
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        while True:
+            ops = [op for op in server.control("GET", "/operations").json() if op["id"] not in before]
+            if len(ops) == 2 and ops[-1]["total_s"] is not None and not server.topology()["scaling"]:
+                break
+            assert time.monotonic() < deadline, (ops, server.tail(60))
+            time.sleep(0.2)
+        time.sleep(1.0)
+    up, again = ops
+    assert (up["kind"], up["phase"], up["masked"]) == ("up", "rolled_back", [1]), up
+    assert "serving rank 1 failed during committing" in up["error"], up["error"]
+    assert (again["kind"], again["from_size"], again["to_size"], again["phase"]) == ("up", 2, 4, "done"), again
+    assert sorted(again["joiners"]) == [1, 3]
+    output = server.output
+    rolled = rf"\[op {up['id']}\] rolling back to ranks \[0, 2\] at epoch (\d+): .*; masking out ranks \[1\]"
+    rollback = re.search(rolled, output)
+    assert rollback, server.tail(80)
+    for r in (0, 2):  # the survivors installed the rollback's epoch without rank 1
+        assert re.search(rf"ep-{r}-\d+: epoch {rollback.group(1)} active \(0, 2\)", output), r
+    assert output.count(abandoned) > seen_abandoned  # the survivors gave up on it at once
+    assert output.count(timed_out) == seen_timeouts  # and never waited for it
     assert server.topology()["active"] == [0, 1, 2, 3]
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []

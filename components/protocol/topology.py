@@ -78,6 +78,7 @@ class OpRecord(msgspec.Struct):
     joined_from: dict[int, str] = {}  # joiner -> "parked" | "snapshot" (restored from its image) | "cold"
     snapshot_refused: dict[int, str] = {}  # new joiner -> why no snapshot was restored for it
     parked: list[int] = []  # leaving ranks kept for the next scale-up
+    masked: list[int] = []  # serving ranks found dead that it masked out (a failover, or a rollback)
     error: str = ""  # why it aborted or rolled back, or what failed after its commit
     followup_error: str = ""  # the commit held but its cleanup or rebalance failed
 
