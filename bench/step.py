@@ -82,23 +82,23 @@ class PhaseClock:
 
     def __init__(self, eng):
         self.eng, self.steps = eng, []
-        self._cur: dict[str, float] | None = None
+        self._cur: dict[str, float] | None = None  # the step's seconds by phase, while one runs
+        self._decode = False  # whether the running step is a decode step
         step, sched = eng._step, eng.sched
         schedule = sched.schedule
 
         def timed_step(has_work):
-            self._cur = defaultdict(float)
+            self._cur, self._decode = defaultdict(float), False
             t0 = time.perf_counter()
             step(has_work)
             total = time.perf_counter() - t0
             cur, self._cur = self._cur, None
-            if cur.get("decode"):
+            if self._decode:
                 self.steps.append({"total": total, **{p: cur[p] for p in PHASES}})
 
         def timed_schedule():
             work = self._time("schedule", schedule)
-            if self._cur is not None:
-                self._cur["decode"] = float(bool(work) and all(n == 1 for _, n in work))
+            self._decode = bool(work) and all(n == 1 for _, n in work)
             return work
 
         eng._step = timed_step

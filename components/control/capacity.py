@@ -94,6 +94,9 @@ class LocalProvider:
         # still be able to stop them, or the next scale-up starts a second process for the rank.
         self.restored: dict[int, int] = {}  # rank -> pid
         self.refused: dict[int, str] = {}
+        # One choice at a time: a scale-up arriving while the startup choice hashes the images
+        # waits for it and then finds the checksums cached, instead of hashing them a second time.
+        self._choosing = threading.Lock()
         if self.wcfg.snapshot_root:
             # Choosing a snapshot imports torch, reads the model's config and hashes every image
             # file (seconds for a CUDA image of GBs): done once now, so the first scale-up's
@@ -184,6 +187,10 @@ class LocalProvider:
     def _choose_snapshot(self, op: str):
         """The newest criu-tier snapshot under Worker.snapshot_root that fits and passes its
         checksums, or None and why not (blocking: run off the event loop)."""
+        with self._choosing:
+            return self._choose_snapshot_now(op)
+
+    def _choose_snapshot_now(self, op: str):
         from components.worker import model_source, rank_config
         from snapshot.bake import target_for
         from snapshot.criu import criu_status
