@@ -1,5 +1,6 @@
-"""Scale operations without a deployment: the phase table, and the scaler's queue, where the
-latest requested size wins over every one still queued (whole operations run in test_elastic)."""
+"""Scale operations without a deployment: the phase table, the scaler's queue, where the latest
+requested size wins over every one still queued, and what an operation does when a source fails
+mid-pull, against scripted ranks (whole operations run in test_elastic and test_failover)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import pytest
 
 from components.control import scaling
 from components.control.scaling import _FINAL, _NEXT, Phase, Scaler
+from components.protocol import messages as m
 from components.protocol.config import RouterConfig
-from components.protocol.topology import Committed, OpRecord, ScaleMode, ScaleRequest
+from components.protocol.lifecycle import RankState
+from components.protocol.placement import Placement, balanced_placement
+from components.protocol.topology import Committed, OpRecord, PullLoss, ScaleMode, ScaleRequest
+from components.protocol.transfer import PullStats, SourceLoss, TensorDesc, WeightManifest, expert_slot_name
 
 
 def reachable(start: Phase) -> set[Phase]:
@@ -182,3 +187,206 @@ def test_the_journal_gives_a_restarted_router_its_history(tmp_path, monkeypatch)
     reloaded = scaling.OpJournal(path).load()
     assert len(path.read_text().splitlines()) == 20 and reloaded[-1] == cut
     assert next(scaling.Operation._ids) == 26
+
+
+# ---- a source failing mid-pull, against scripted ranks -----------------------------------------
+
+DENSE = ["embed", "attn", "norm"]
+S = 2  # slots per rank: 4 experts over ranks 0-2 are 0 3 | 1 0 | 2 1 (expert 2 only on rank 2)
+
+
+class Ranks:
+    """The router (RankPort) and the capacity provider for one operation, over scripted ranks:
+    every command succeeds at once and is recorded; `pull` answers PullWeights."""
+
+    def __init__(self, pull):
+        self.statuses = {r: self.describe(r) for r in (0, 1, 2)}
+        self.failing: set[int] = set()
+        self.sent: list[tuple[int, object]] = []
+        self.fenced: list[int] = []
+        self.refused: dict[int, str] = {}
+        self.checkpoints_parked = False
+        self.pull = pull
+
+    @staticmethod
+    def describe(r: int) -> m.RankStatus:
+        return m.RankStatus(
+            rank=r,
+            pid=100 + r,
+            instance_id=r,
+            state=RankState.ACTIVE,
+            routable=True,
+            paused=False,
+            epoch=1,
+            steps=0,
+            running=0,
+            waiting=0,
+            requests_total=0,
+            expert_rows=0,
+            metadata=b"",
+            model_identity="m",
+            num_experts=4,
+            num_moe_layers=1,
+            slots_per_rank=S,
+            active=[],
+            connected=[],
+            load=[],
+        )
+
+    def manifest(self, r: int, names: list[str] | None) -> WeightManifest:
+        if names is None:
+            names = DENSE + [expert_slot_name(0, s, p) for s in range(S) for p in ("gate", "up", "down")]
+        return WeightManifest(r, f"agent-{r}", b"", "DRAM", 0, [TensorDesc(n, 0, 8, "float32", [2], 0) for n in names])
+
+    async def send(self, rank: int, msg) -> m.ControlReply:
+        self.sent.append((rank, msg))
+        if isinstance(msg, m.ExportWeights):
+            return m.ControlReply(ok=True, manifest=self.manifest(rank, msg.names))
+        if isinstance(msg, m.PullWeights):
+            return await self.pull(self, rank, msg)
+        return m.ControlReply(ok=True)
+
+    def messages(self, kind: type, rank: int | None = None) -> list:
+        return [msg for r, msg in self.sent if isinstance(msg, kind) and rank in (None, r)]
+
+    async def discover(self, ranks, provider, timeout) -> None:
+        for r in ranks:
+            self.statuses.setdefault(r, self.describe(r))
+
+    def forget(self, rank: int) -> None:
+        self.statuses.pop(rank, None)
+
+    def status(self, rank: int) -> m.RankStatus:
+        return self.statuses[rank]
+
+    def failed(self, rank: int) -> bool:
+        return rank in self.failing
+
+    async def acquire(self, ranks, op, fault=""):
+        return {r: "cold" for r in ranks}
+
+    def alive(self, rank: int):
+        return None
+
+    async def fence(self, rank: int, pid: int, op: str) -> None:
+        self.fenced.append(rank)
+
+    async def release(self, rank: int, op: str, graceful: bool = True) -> None:
+        pass
+
+
+async def dies_mid_pull(ranks: Ranks, rank: int, msg: m.PullWeights) -> m.ControlReply:
+    """The first pull: rank 2 dies as it starts; its reads end once the puller is told (as a
+    stalled source's would), the rest is pulled. Later pulls bring everything."""
+    lost = [it for it in msg.items if it.src_rank == 2]
+    if lost:
+        ranks.failing.add(2)  # the router's verdict
+        while not any("agent-2" in d.agents for d in ranks.messages(m.DropSources, rank)):
+            await asyncio.sleep(0.01)
+    done = len(msg.items) - len(lost)
+    gone = [SourceLoss(2, "rank 2: dropped mid-pull: rank 2 failed", lost)] if lost else []
+    return m.ControlReply(ok=True, pull=PullStats(tensors=done, bytes=8 * done, seconds=0.1, per_source={}, lost=gone))
+
+
+def run(kind: str, pull) -> tuple[scaling.Operation, Ranks]:
+    ranks = Ranks(pull)
+    current = balanced_placement(1, 4, 4, S, [0, 1, 2])
+    op = scaling.Operation(
+        ScaleRequest(dp_size=4 if kind == "up" else 2),
+        Committed(epoch=1, active=[0, 1, 2], placement=current),
+        [],
+        ranks,
+        ranks,
+        RouterConfig(rebalance=False),
+        max_ranks=4,
+        num_experts=4,
+    )
+    asyncio.run(op.execute(lambda: []))
+    return op, ranks
+
+
+def test_a_scale_up_masks_a_source_that_failed_mid_pull_out_and_repulls_its_reads():
+    """Joiner 3 reads the dense weights spread over ranks 0-2 and expert 1 from rank 2, which
+    dies mid-pull: the joiner is told to drop it, the scale-up masks rank 2 out itself (expert 2,
+    which only rank 2 held, reloaded into rank 1's duplicate slot; the joiner, still loading,
+    takes no part), re-pulls exactly what rank 2 was to send from ranks 0 and 1, and commits
+    ranks 0, 1 and 3."""
+    op, ranks = run("up", dies_mid_pull)
+    assert (op.record.phase, op.record.error, op.record.failed_over) == ("done", "", [2]), op.record
+    assert ranks.fenced == [2] and op.topology.active == [0, 1, 3]
+    first, again = ranks.messages(m.PullWeights, 3)
+    lost = [it.dst_name for it in first.items if it.src_rank == 2]
+    assert sorted(lost) == ["experts.0.1.down", "experts.0.1.gate", "experts.0.1.up", "norm"]
+    assert [it.dst_name for it in again.items] == lost and {it.src_rank for it in again.items} <= {0, 1}
+    # Expert 1 from the replica left on rank 1 (slot 2, its local slot 0), both survivors serving reads.
+    assert {it.src_name for it in again.items if it.src_name.startswith("experts.")} == {
+        expert_slot_name(0, 0, p) for p in ("gate", "up", "down")
+    }
+    assert set(again.sources) == {it.src_rank for it in again.items}
+    assert op.record.pull_losses == [
+        PullLoss(3, 2, "rank 2: dropped mid-pull: rank 2 failed", lost, scaling.by_source(again.items))
+    ]
+    assert [d.agents for d in ranks.messages(m.DropSources)] == [
+        {"agent-2": "rank 2 failed (found dead or stalled by the router)"}
+    ]
+    # The failover inside: survivors only, expert 2 reloaded, then the commit of the three.
+    assert ranks.messages(m.Pause, 0)[0].gone == [2]
+    assert [x.placement.experts_on(1, 0) for x in ranks.messages(m.LoadExperts, 1)] == [[1, 2]]
+    assert [c.active for c in ranks.messages(m.Configure, 0)] == [[0, 1], [0, 1, 3]]
+    assert [c.active for c in ranks.messages(m.Configure, 3)] == [[0, 1, 3]]
+    assert op.record.failover_downtime_s is not None and op.record.failover_committed_at is not None
+    assert list(op.record.phases) == ["starting", "loading", "masking", "warming", "connecting", "committing"]
+
+
+def test_a_scale_down_tells_the_pullers_first_then_gives_way():
+    """Rank 1 pulls expert 2 from leaving rank 2, which fails mid-pull: rank 1 is told to drop it
+    (its pull ends now, not at its timeout), the record says which reads were cut, and the
+    operation gives way to the failover."""
+    op, ranks = run("down", dies_mid_pull)
+    assert op.record.phase == "aborted" and op.preempted, op.record
+    assert op.record.error == "ScaleError: serving rank 2 failed during migrating: the failover goes first"
+    cut = [expert_slot_name(0, 1, p) for p in ("gate", "up", "down")]
+    assert op.record.pull_losses == [
+        PullLoss(1, 2, "rank 2 failed: its readers dropped it, and the operation gave way", cut)
+    ]
+    assert [(r, d.agents) for r, d in ranks.sent if isinstance(d, m.DropSources)] == [
+        (1, {"agent-2": "rank 2 failed (found dead or stalled by the router)"})
+    ]
+
+
+def test_a_lost_source_without_another_holder_fails_the_operation_naming_both():
+    """Rank 2 fails its READs but the router never fails it (alive): what it held alone has no
+    other live holder, and the scale-up aborts naming the items and the source."""
+
+    async def errs(ranks: Ranks, rank: int, msg: m.PullWeights) -> m.ControlReply:
+        lost = [it for it in msg.items if it.src_rank == 2]
+        gone = [SourceLoss(2, "rank 2: READ of norm failed (source gone?)", lost)] if lost else []
+        return m.ControlReply(ok=True, pull=PullStats(tensors=0, bytes=0, seconds=0.1, per_source={}, lost=gone))
+
+    ranks = Ranks(errs)
+    current = balanced_placement(1, 4, 4, S, [0, 1, 2])
+    # Expert 2 only on rank 2, and the joiner's first slot (its experts.0.0.*) wants it.
+    target = Placement(S, [current.slots[0][:6] + [2, 1]])
+    op = scaling.Operation(
+        ScaleRequest(dp_size=4),
+        Committed(epoch=1, active=[0, 1, 2], placement=current),
+        [],
+        ranks,
+        ranks,
+        RouterConfig(rebalance=False, rank_timeout_s=0.1, status_interval_s=0.05),
+        max_ranks=4,
+        num_experts=4,
+    )
+
+    async def loading():
+        op.transition(Phase.STARTING)
+        op.transition(Phase.LOADING)
+        await ranks.discover([3], None, 0)
+        await op.pull_experts(current, target, [0, 1, 2], dense_to=[3])
+
+    with pytest.raises(scaling.ScaleError) as ei:
+        asyncio.run(loading())
+    assert str(ei.value) == (
+        "rank 3 lost source rank 2 mid-pull (rank 2: READ of norm failed (source gone?)) and no live rank holds "
+        "experts.0.0.gate, experts.0.0.up, experts.0.0.down (of ranks [0, 1])"
+    ), ei.value

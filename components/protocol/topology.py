@@ -56,6 +56,16 @@ class ScaleRequest(msgspec.Struct, frozen=True):
     fault: str = ""  # injected into joiners; only honoured with Router.allow_fault_injection
 
 
+class PullLoss(msgspec.Struct):
+    """Reads a pull lost with its source mid-pull, and where the operation read them from instead."""
+
+    rank: int  # the puller
+    source: int  # the source lost
+    reason: str
+    items: list[str]  # the destinations (tensor names on `rank`) it was to fill
+    repulled_from: dict[int, list[str]] = {}  # rank -> those of `items` read from it; {} when the operation gave way
+
+
 class OpRecord(msgspec.Struct):
     """What /topology shows about an operation."""
 
@@ -80,6 +90,11 @@ class OpRecord(msgspec.Struct):
     parked: list[int] = []  # leaving ranks kept for the next scale-up
     error: str = ""  # why it aborted or rolled back, or what failed after its commit
     followup_error: str = ""  # the commit held but its cleanup or rebalance failed
+    failed_over: list[int] = []  # serving ranks it masked out (a failover; a scale-up whose source failed mid-pull)
+    # A scale-up's own failover: its commit's pause and when it ended (a failover's are downtime_s, committed_at).
+    failover_downtime_s: float | None = None
+    failover_committed_at: float | None = None
+    pull_losses: list[PullLoss] = []  # sources lost mid-pull: what they were to send, and from whom it came
 
 
 class RankView(RankSummary, kw_only=True):
