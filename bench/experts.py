@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.measure import median_ms, write_results
+from bench.measure import graph_ms, write_results
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,19 +46,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the kernels are Triton)")
     return args
-
-
-def graph_ms(fn, replays: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):  # compile and autotune outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return median_ms(g.replay, replays)
 
 
 def main(argv=None) -> int:

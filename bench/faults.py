@@ -159,7 +159,7 @@ def source_killed_mid_pull(srv: Server, args) -> dict:
         "recovered_s": up["failover_committed_at"] - t if up["failover_committed_at"] else None,
         "failover_downtime_ms": up["failover_downtime_s"] * 1e3 if up["failover_downtime_s"] is not None else None,
         "replaced_s": last["committed_at"] - t if last["kind"] == "up" and last["committed_at"] else None,
-        "scale_up": f"{up['phase']}, failed over {up['failed_over']}, {tensors} tensors re-pulled from ranks "
+        "scale_up": f"{up['phase']}, masked {up['masked']}, {tensors} tensors re-pulled from ranks "
         f"{repulled}{': ' + up['error'] if up['error'] else ''}",
         "operations": ops,
     }

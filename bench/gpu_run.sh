@@ -10,6 +10,7 @@
 # decode:   bench.decode on that model, batch 32 and 64 per rank: 1 rank, and with two GPUs 2 ranks
 #           one per GPU, then 4 ranks two per GPU under MPS.
 # step:     bench.step on that model (one rank's step by phase, its graph alone, the floor).
+# attention: bench.attention (one layer's decode attention, gather + SDPA against the Triton kernel).
 # Results go to $OUT (default bench/results). Needs torch with CUDA, and nixl-cu13, msgspec and
 # ai-dynamo-runtime importable.
 set -uo pipefail
@@ -24,7 +25,8 @@ for step in "$@"; do
     case $step in
     tests)  # files named ($TESTS narrows them): collecting all of tests/ needs the client packages
         $PY -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu_elastic.py tests/test_engine.py \
-            tests/test_ep_nixl.py tests/test_weight_transfer.py tests/test_vmm.py tests/test_snapshot.py} || rc=1 ;;
+            tests/test_ep_nixl.py tests/test_weight_transfer.py tests/test_vmm.py tests/test_snapshot.py \
+            tests/test_triton_kernels.py} || rc=1 ;;
     pull)
         $PY -m bench.weight_pull --mb 8192 --paths cuda-ipc,vmm-map --out "$OUT/weight_pull_h200.json" || rc=1
         if [ "$gpus" -gt 1 ]; then
@@ -57,7 +59,9 @@ for step in "$@"; do
     step)
         [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
         $PY -m bench.step --model /tmp/mxl --out "$OUT/step_h200.json" || rc=1 ;;
-    *) echo "unknown step $step (tests, pull, scale, handover, decode, step)"; exit 2 ;;
+    attention)
+        $PY -m bench.attention --out "$OUT/attention_h200.json" || rc=1 ;;
+    *) echo "unknown step $step (tests, pull, scale, handover, decode, step, attention)"; exit 2 ;;
     esac
 done
 exit $rc

@@ -11,18 +11,36 @@ from pathlib import Path
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn()` between two syncs of the current CUDA device, after `warmup`
-    calls that are not counted."""
+    """Median milliseconds of `fn()` between two syncs of the current CUDA device (where there is
+    one: CPU work is done when it returns), after `warmup` calls that are not counted."""
     import torch
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     times = []
     for _ in range(warmup + repeats):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[warmup:]) * 1e3
+
+
+def graph_ms(fn: Callable[[], object], replays: int) -> float:
+    """Median milliseconds of a CUDA graph replay of `fn()`, captured after three calls outside it
+    (where kernels compile and autotune)."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return median_ms(g.replay, replays)
 
 
 def write_results(path: Path, result: dict) -> None:

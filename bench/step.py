@@ -50,6 +50,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", default="1,8,32,64", help="comma-separated decode batch sizes")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence")
     ap.add_argument("--gen-len", type=int, default=64, help="tokens generated per sequence")
+    ap.add_argument(
+        "--max-len",
+        type=int,
+        default=0,
+        help="KV cache length per sequence; 0: the model's context capped by memory, as a deployment gets it "
+        "(decode graphs attend over the whole cache)",
+    )
+    ap.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's default: every decode batch padded into one graph of the largest --batch rows; "
+        "--no-batch-invariant: a graph per batch size, mixed prefill and decode steps",
+    )
     ap.add_argument("--replays", type=int, default=50, help="graph replays timed per batch size")
     ap.add_argument("--hbm-gbps", type=float, default=4000.0, help="memory bandwidth of the floor (H200: 4000)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/step.json"), help="JSON results file")
@@ -124,8 +138,11 @@ def graph_ms(eng, batch: int, replays: int) -> float | None:
     from components.engine.layers import ForwardBatch
 
     dev, slots = eng.device, list(range(batch))
+    # Distinct tokens, so that rows spread over the experts as a real batch's do (one token
+    # repeated routes every row to the same two).
+    ids = torch.randint(0, eng.model_config.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
     fb = ForwardBatch(
-        input_ids=torch.ones(batch, dtype=torch.int64, device=dev),
+        input_ids=ids.to(dev),
         positions=torch.full((batch,), 100, dtype=torch.int64, device=dev),
         token_slots=torch.tensor(slots, device=dev),
         slots=torch.tensor(slots, device=dev),
@@ -152,16 +169,20 @@ def main(argv=None) -> int:
 
     model = args.model or str(builtin_model_dir())
     top = max(args.batch)
-    sizes = tuple(sorted({*(1, 8, 16, 32, 64), *args.batch} & set(range(1, top + 1)))) if args.device != "cpu" else ()
+    # Mixed: a graph for every measured batch, each step timed through its own size.
+    sizes = None if args.batch_invariant else tuple(sorted({*(1, 8, 16, 32, 64), *args.batch} & set(range(1, top + 1))))
     eng = single_rank(
         model,
         device=args.device,
-        max_len=args.prompt_len + args.gen_len + 8,
+        max_len=args.max_len,
         max_seqs=top,
         max_batched_tokens=max(256, args.prompt_len),
         dtype=args.dtype,
+        batch_invariant=args.batch_invariant,
         cuda_graph_sizes=sizes,
     )
+    if args.prompt_len + args.gen_len > eng.max_len:
+        raise SystemExit(f"--prompt-len + --gen-len exceed the KV cache's {eng.max_len} tokens: raise --max-len")
     clock = PhaseClock(eng)
     eng.start()
     vocab, g = eng.model_config.vocab_size, torch.Generator().manual_seed(0)
@@ -201,6 +222,9 @@ def main(argv=None) -> int:
         "model": model,
         "device": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else platform.processor(),
         "dtype": str(eng.dtype),
+        "max_len": eng.max_len,
+        "batch_invariant": args.batch_invariant,
+        "graph_sizes": eng.graphs.sizes if eng.graphs else [],
         "weight_bytes": weight_bytes(eng),
         "hbm_gbps": args.hbm_gbps,
         "rows": rows,

@@ -130,6 +130,7 @@ def rank_config(c: Worker.Config, rank: int):
         max_seqs=c.max_seqs,
         max_len=c.max_len,
         max_batched_tokens=c.max_batched_tokens,
+        batch_invariant=c.batch_invariant,
         min_ranks=c.min_ranks,
         vmm=c.vmm,
         ep_transport=c.ep_transport,
@@ -542,10 +543,11 @@ class RankServer:
         # A scale-down that aborts puts its leaving ranks back: they never left the active set.
         self.advance(msg, RankState.ACTIVE, "back into routing")
 
-    @handles(LoadExperts, {RankState.LOADED, RankState.WARMED, RankState.STAGED, RankState.ACTIVE})
+    @handles(LoadExperts, HOLDING_WEIGHTS)
     async def on_load_experts(self, msg: LoadExperts) -> None:
         """The first ranks' cold start (connected to each other by then; joiners pull instead), and
-        a serving rank taking over experts whose every replica was on a failed rank (`since`)."""
+        a serving rank taking over experts whose every replica was on a failed rank (`since`): a
+        leaving one too, when a scale-down rolls back without a rank that died in its commit."""
         await self.on_loop(lambda: self.engine.load_experts(msg.placement, msg.since))
 
     # Exporting changes nothing on this rank: allowed in any state.

@@ -36,7 +36,14 @@ from snapshot.manifest import (
 
 # The defaults of components.worker.Worker.Config (kept in sync by a test).
 DEFAULTS: dict[str, Any] = dict(
-    device="cpu", dtype="", max_ranks=4, min_ranks=1, max_seqs=16, max_len=0, max_batched_tokens=256
+    device="cpu",
+    dtype="",
+    max_ranks=4,
+    min_ranks=1,
+    max_seqs=16,
+    max_len=0,
+    max_batched_tokens=256,
+    batch_invariant=True,
 )
 ENGINE_FILE = "engine.json"
 WARMUP_FILE = "warmup.json"
@@ -77,10 +84,10 @@ def model_source(model_dir: str | os.PathLike | None, model_name: str = "") -> t
     return str(builtin_model_dir()), model_name or BUILTIN_MODEL_NAME
 
 
-def _graph_sizes(device: str, max_seqs: int, sizes) -> list[int]:
-    if not device.startswith("cuda"):
-        return []
-    return sorted(b for b in sizes if b <= max_seqs)
+def _graph_sizes(cfg) -> list[int]:
+    from components.engine.rank import decode_graph_sizes
+
+    return decode_graph_sizes(cfg) if cfg.device.startswith("cuda") else []
 
 
 def rank_config(device: str = "cpu", **fields):
@@ -115,7 +122,8 @@ def target_for(model_dir: str | os.PathLike | None, cfg=None, **fields) -> Snaps
         device_type=device_type,
         max_len=context_length(cfg.max_len, mc, cfg.max_seqs, DTYPES[cfg.dtype or mc.dtype], torch.device(cfg.device)),
         driver_version=drv,
-        cuda_graph_sizes=_graph_sizes(cfg.device, cfg.max_seqs, cfg.cuda_graph_sizes),
+        cuda_graph_sizes=_graph_sizes(cfg),
+        batch_invariant=cfg.batch_invariant,
     )
 
 
@@ -135,6 +143,7 @@ def target_for_engine(eng) -> SnapshotTarget:
         device_type=device_type,
         driver_version=drv,
         cuda_graph_sizes=sorted(eng.graphs.sizes) if eng.graphs else [],
+        batch_invariant=cfg.batch_invariant,
     )
 
 
@@ -313,6 +322,7 @@ def bake(
     max_len: int = DEFAULTS["max_len"],
     max_batched_tokens: int = DEFAULTS["max_batched_tokens"],
     redundant_experts: int = 0,
+    batch_invariant: bool = DEFAULTS["batch_invariant"],
     cuda_graph_sizes: tuple[int, ...] | None = None,
     model_name: str = "",
     force: bool = False,
@@ -384,6 +394,7 @@ def bake(
         max_len=max_len,
         max_batched_tokens=max_batched_tokens,
         redundant_experts=redundant_experts,
+        batch_invariant=batch_invariant,
         **extra,
     )
 

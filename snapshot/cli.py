@@ -106,6 +106,7 @@ def cmd_bake(a) -> int:
             max_len=a.max_len,
             max_batched_tokens=a.max_batched_tokens,
             redundant_experts=a.redundant_experts,
+            batch_invariant=a.batch_invariant,
             cuda_graph_sizes=a.cuda_graph_sizes,
             model_name=a.name,
             force=a.force,
@@ -327,6 +328,12 @@ def parser() -> argparse.ArgumentParser:
         type=_count,
         default=0,
         help="extra expert copies spread over --min-ranks ranks (default: %(default)s)",
+    )
+    b.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS["batch_invariant"],
+        help="the deployment's Worker.batch_invariant (default: %(default)s)",
     )
     b.add_argument(
         "--cuda-graph-sizes",

@@ -24,7 +24,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 MANIFEST_MAX_BYTES = 1 << 20  # a real one is ~1 KiB; more is not a manifest, and is not read whole
 Tier = Literal["artifacts", "parked", "criu"]
@@ -61,6 +61,7 @@ class SnapshotTarget(msgspec.Struct, kw_only=True):
     device_type: str  # "cpu" or the GPU name (torch.cuda.get_device_name)
     driver_version: str = ""  # cuDriverGetVersion() on CUDA, "" on CPU
     cuda_graph_sizes: list[int] = []
+    batch_invariant: bool = True  # the scheduling policy is built into a baked engine
 
 
 class SnapshotManifest(SnapshotTarget, kw_only=True, forbid_unknown_fields=True):

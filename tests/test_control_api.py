@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from components.control.router import ElasticEPBody, RouterService, ScaleBody
+from components.control.scaling import Tally
 from components.planner.service import parse_prometheus
 from components.protocol.config import RouterConfig, WorkerConfig
 from components.protocol.lifecycle import RankState
@@ -88,7 +89,9 @@ def test_metrics_expose_the_router_state():
         svc = RouterService(None, None, RouterConfig(), WorkerConfig())
         other = RouterService(None, None, RouterConfig(), WorkerConfig())
         svc.statuses = {r: rank_status(r) for r in (0, 1)}
-        svc.scaler = SimpleNamespace(busy=True, history=[rec], current=None, pending=None)
+        tally = Tally()
+        tally.count(rec)
+        svc.scaler = SimpleNamespace(busy=True, history=[rec], current=None, pending=None, tally=tally)
         svc.operation_ended(rec, Committed(epoch=2, active=[0, 1], placement=None))
         async with TestClient(TestServer(svc.app())) as client:
             r = await client.get("/metrics")
@@ -103,6 +106,7 @@ def test_metrics_expose_the_router_state():
         "elastic_router_scaling": [({}, 1.0)],
         "elastic_scale_operations_total": [({"kind": "up", "result": "done"}, 1.0)],
         "elastic_scale_followup_failures_total": [({}, 1.0)],
+        "elastic_scale_masked_ranks_total": [({}, 0.0)],
         "elastic_scale_last_downtime_seconds": [({"op": rec.id}, 0.125)],
         "elastic_scale_last_total_seconds": [({"op": rec.id}, 2.0)],
         "elastic_scale_last_phase_seconds": [

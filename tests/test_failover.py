@@ -7,6 +7,7 @@ from the survivors; other operations make the pullers drop it at once and give w
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -148,10 +149,12 @@ def test_a_failed_serving_rank_is_replaced_under_load_and_nothing_is_lost(server
     assert scale(server, 3)["phase"] == "done"
 
 
-def scale_up_with_rank_1_killed(server: Server, command: str, stall_s: float) -> tuple[list[dict], Traffic]:
+def scale_up_with_rank_1_killed(
+    server: Server, command: str, stall_s: float, operations: int
+) -> tuple[list[dict], Traffic]:
     """Scale 3 -> 4 under load with the joiner holding `command` back `stall_s` (injected), SIGKILL
     rank 1 as it starts to; returns the operations from there until the deployment is idle again
-    with 3 of them (the last one finished) or 2 (the first done), and the traffic."""
+    with `operations` of them (or more), and the traffic."""
     assert server.topology()["active"] == [0, 1, 2]
     pid, before = pid_of(server, 1), operation_ids(server)
     stalled = f"injected fault: stalling {command}"
@@ -168,7 +171,7 @@ def scale_up_with_rank_1_killed(server: Server, command: str, stall_s: float) ->
         while True:
             ops = [op for op in server.control("GET", "/operations").json() if op["id"] not in before]
             finished = ops and ops[-1]["total_s"] is not None and not server.topology()["scaling"]
-            if finished and (len(ops) == 3 or ops[0]["phase"] == "done"):
+            if finished and len(ops) >= operations:
                 break
             assert time.monotonic() < deadline + 120, (ops, server.tail(60))
             time.sleep(0.2)
@@ -180,11 +183,12 @@ def test_a_serving_rank_killed_during_a_scale_up_is_failed_over_first(server, re
     """Rank 1 dies while a scale-up 3 -> 4's joiner warms up: the scale-up gives way at once
     (aborted, its joiner gone), the failover masks rank 1 out, and then the scale-up runs again,
     which also replaces rank 1. Nothing is lost, every token is right, no wedge."""
-    ops, traffic = scale_up_with_rank_1_killed(server, "warmup", 5)
+    ops, traffic = scale_up_with_rank_1_killed(server, "warmup", 5, operations=3)
     up, failover, again = ops
-    assert (up["kind"], up["phase"], up["to_size"]) == ("up", "aborted", 4), up
+    assert (up["kind"], up["phase"], up["to_size"], up["masked"]) == ("up", "aborted", 4, []), up
     assert "rank 1 " in up["error"], up["error"]
     assert (failover["kind"], failover["leaving"], failover["phase"]) == ("failover", [1], "done"), failover
+    assert failover["masked"] == [1], failover
     assert (again["kind"], again["from_size"], again["to_size"], again["phase"]) == ("up", 2, 4, "done"), again
     assert sorted(again["joiners"]) == [1, 3]
     assert server.topology()["active"] == [0, 1, 2, 3]
@@ -199,10 +203,10 @@ def test_a_source_killed_mid_pull_is_masked_out_by_the_scale_up_which_repulls_it
     rank 1 out itself (the survivors serve on meanwhile), reads what rank 1 was to send from ranks
     0 and 2 instead (checksummed like the rest), and ends done with ranks 0, 2 and 3. A scale-up
     then replaces rank 1. Nothing is lost, every token is right, no wedge."""
-    ops, traffic = scale_up_with_rank_1_killed(server, "pull_weights", 5)
+    ops, traffic = scale_up_with_rank_1_killed(server, "pull_weights", 5, operations=2)
     up, again = ops
     assert (up["kind"], up["phase"], up["error"], up["joiners"]) == ("up", "done", "", [3]), up
-    assert up["failed_over"] == [1] and up["failover_committed_at"] is not None, up
+    assert up["masked"] == [1] and up["failover_committed_at"] is not None, up
     losses = up["pull_losses"]
     assert losses and {(loss["rank"], loss["source"]) for loss in losses} == {(3, 1)}, losses
     for loss in losses:
@@ -211,6 +215,35 @@ def test_a_source_killed_mid_pull_is_masked_out_by_the_scale_up_which_repulls_it
         assert sorted(n for names in loss["repulled_from"].values() for n in names) == sorted(loss["items"]), loss
     assert (again["kind"], again["from_size"], again["to_size"], again["phase"]) == ("up", 3, 4, "done"), again
     assert again["joiners"] == [1]
+    assert server.topology()["active"] == [0, 1, 2, 3]
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(server, 3)["phase"] == "done"
+
+
+def test_a_serving_rank_killed_inside_a_commit_is_masked_out_by_the_rollback(server, reference):
+    """Rank 1 dies inside the commit of a scale-up 3 -> 4: ranks 0-2 resumed at the new epoch and
+    wait in a collective for the joiner, which holds its own Resume back (injected). The commit
+    gives way, and its rollback, told rank 1 is gone, lets the survivors give up on it at once
+    and installs the old set without it (fenced, its experts reloaded on the survivors): no epoch
+    after the kill lists rank 1. The scale-up then runs again and also replaces rank 1. Nothing is
+    lost, every token is right, no wedge."""
+    timed_out, abandoned = "timed out after", "rank 1 declared gone"
+    seen_timeouts, seen_abandoned = (server.output.count(s) for s in (timed_out, abandoned))
+    ops, traffic = scale_up_with_rank_1_killed(server, "resume", 8, operations=2)
+    up, again = ops
+    assert (up["kind"], up["phase"], up["masked"]) == ("up", "rolled_back", [1]), up
+    assert "serving rank 1 failed during committing" in up["error"], up["error"]
+    assert (again["kind"], again["from_size"], again["to_size"], again["phase"]) == ("up", 2, 4, "done"), again
+    assert sorted(again["joiners"]) == [1, 3]
+    output = server.output
+    rolled = rf"\[op {up['id']}\] rolling back to ranks \[0, 2\] at epoch (\d+): .*; masking out ranks \[1\]"
+    rollback = re.search(rolled, output)
+    assert rollback, server.tail(80)
+    for r in (0, 2):  # the survivors installed the rollback's epoch without rank 1
+        assert re.search(rf"ep-{r}-\d+: epoch {rollback.group(1)} active \(0, 2\)", output), r
+    assert output.count(abandoned) > seen_abandoned  # the survivors gave up on it at once
+    assert output.count(timed_out) == seen_timeouts  # and never waited for it
     assert server.topology()["active"] == [0, 1, 2, 3]
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []

@@ -213,7 +213,7 @@ WEIGHTS = "LOADED, WARMED, STAGED, ACTIVE, LEAVING"
         (m.Connect, S.BOOTING, WEIGHTS),
         (m.Pause, S.RESTORED, f"{WEIGHTS}, PARKED"),
         (m.SetRoutable, S.STAGED, "ACTIVE, LEAVING"),
-        (m.LoadExperts, S.LEAVING, "LOADED, WARMED, STAGED, ACTIVE"),
+        (m.LoadExperts, S.PARKED, WEIGHTS),
         (m.PullWeights, S.PARKED, f"BOOTING, RESTORED, {WEIGHTS}"),
         (m.Warmup, S.LEAVING, "LOADED, WARMED, STAGED, ACTIVE"),
         (m.Drain, S.ACTIVE, "LEAVING"),

@@ -2,7 +2,8 @@
 never pass through it), and the new router adopts what the ranks serve: the same epoch, active
 set and processes, the joiners the old router started still serving, its parked rank parked
 capacity again; the next scale-up takes that parked rank back. Killed in the middle of a commit,
-the next router completes it under a new epoch."""
+the next router completes it under a new epoch. Its operation counters go on from the last
+router's (reloaded from its journal), never back to 0."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from components.planner.service import parse_prometheus
 from harness.server import Server, Traffic, alive, engine_reference, gone_within, scale
 
 MAX_TOKENS = 24
@@ -50,6 +52,13 @@ def wait_router_back(srv: Server, old: int, timeout: float = 120) -> int:
     raise AssertionError(f"the router did not come back within {timeout} s:\n{srv.tail(80)}")
 
 
+def counters(srv: Server) -> dict:
+    """The router's operation counters: (kind, result) -> n, and the follow-up failures."""
+    metrics = parse_prometheus(srv.control("GET", "/metrics").text)
+    ops = {(labels["kind"], labels["result"]): n for labels, n in metrics["elastic_scale_operations_total"]}
+    return {**ops, "followup failures": metrics["elastic_scale_followup_failures_total"][0][1]}
+
+
 @pytest.fixture(scope="module")
 def reference():
     return engine_reference(PROMPTS, MAX_TOKENS)
@@ -62,6 +71,8 @@ def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(serve
     assert before["active"] == [0, 1, 2]
     pids = {r["rank"]: r["pid"] for r in before["ranks"]}
     history = server.control("GET", "/operations").json()
+    counted = counters(server)
+    assert counted[("up", "done")] == 1 and counted[("down", "done")] == 1, counted
     old = router_pids(server)[-1]
     with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
         time.sleep(2.0)
@@ -74,6 +85,7 @@ def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(serve
     after = server.topology()
     assert (after["epoch"], after["active"]) == (before["epoch"], before["active"])
     assert server.control("GET", "/operations").json() == history  # reloaded from its journal
+    assert counters(server) == counted  # so are the counters
     ranks = {r["rank"]: r for r in after["ranks"]}
     assert {r: v["pid"] for r, v in ranks.items()} == pids  # no rank was replaced, none orphaned
     assert [ranks[r]["state"] for r in range(4)] == ["ACTIVE", "ACTIVE", "ACTIVE", "PARKED"]
@@ -127,6 +139,7 @@ def test_a_commit_the_killed_router_left_half_done_is_completed_by_the_next(serv
     epochs, paused, the joiner staged, and commits the newest topology again under a new epoch."""
     assert scale(server, 3)["phase"] == "done"  # rank 3 parks
     epoch = server.topology()["epoch"]
+    counted = counters(server)
     r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_on=configure,stall_s=6"})
     assert r.status_code == 202, r.text
     with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
@@ -152,6 +165,7 @@ def test_a_commit_the_killed_router_left_half_done_is_completed_by_the_next(serv
         "ranks [0, 1, 2, 3] active, none parked, none stopped"
     ), cut
     assert [op["phase"] for op in ops[:-1]] == ["done"] * (len(ops) - 1) and len(ops) >= 4, ops
+    assert counters(server) == {**counted, ("up", "interrupted"): 1}  # one more, the one cut short
     ranks = {r["rank"]: r for r in after["ranks"]}
     assert all(ranks[r]["state"] == "ACTIVE" and ranks[r]["routable"] and not ranks[r]["paused"] for r in range(4))
     assert traffic.errors == []

@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 from components.control import scaling
-from components.control.scaling import _FINAL, _NEXT, Phase, Scaler
+from components.control.scaling import _FINAL, _NEXT, Phase, Scaler, Tally
 from components.protocol import messages as m
 from components.protocol.config import RouterConfig
 from components.protocol.lifecycle import RankState
-from components.protocol.placement import Placement, balanced_placement
+from components.protocol.placement import Placement, balanced_placement, changed_slots, shrink
 from components.protocol.topology import Committed, OpRecord, PullLoss, ScaleMode, ScaleRequest
 from components.protocol.transfer import PullStats, SourceLoss, TensorDesc, WeightManifest, expert_slot_name
 
@@ -147,49 +147,82 @@ def test_the_latest_target_wins(monkeypatch):
     assert owner.committed.active == [0, 1, 2, 3, 4] and owner.committed.epoch == 3
 
 
-def test_the_journal_gives_a_restarted_router_its_history(tmp_path, monkeypatch):
+def rec(n: int, phase: str, kind: str = "up", followup_error: str = "", masked=()) -> OpRecord:
+    return OpRecord(
+        id=f"op-{n}-{kind}-2to3",
+        kind=kind,
+        mode=ScaleMode.PREPARE_ASYNC_REUSE_GRAPHS,
+        from_size=2,
+        to_size=3,
+        phase=phase,
+        joiners=[2],
+        leaving=[],
+        phases={},
+        started_at=float(n),
+        followup_error=followup_error,
+        masked=list(masked),
+    )
+
+
+def test_the_journal_gives_a_restarted_router_its_history_and_counters(tmp_path, monkeypatch):
     """The last line of each id wins, a line torn by the kill is skipped, the file keeps only the
-    recent history; what was in flight is interrupted, with the adoption's outcome, and the next
-    ids follow on."""
-
-    def rec(n: int, phase: str) -> OpRecord:
-        return OpRecord(
-            id=f"op-{n}-up-2to3",
-            kind="up",
-            mode=ScaleMode.PREPARE_ASYNC_REUSE_GRAPHS,
-            from_size=2,
-            to_size=3,
-            phase=phase,
-            joiners=[2],
-            leaving=[],
-            phases={},
-            started_at=float(n),
-        )
-
+    recent history and a tally of the rest; what was in flight is interrupted, with the adoption's
+    outcome, and the next ids follow on. The counters go on from the last router's, the ranks
+    masked out included."""
     path = tmp_path / "router" / "operations.jsonl"
     path.parent.mkdir()
     journal = scaling.OpJournal(path)
     for n in range(1, 26):
         journal.save(rec(n, "starting"))
-        journal.save(rec(n, "done" if n < 25 else "loading"))
+        failed = "rebalance failed" if n == 3 else ""
+        journal.save(rec(n, "done" if n < 25 else "loading", followup_error=failed, masked=[1] if n in (4, 9) else []))
     with path.open("ab") as f:
         f.write(b'{"id": "op-26-up')  # the kill came mid-write
     monkeypatch.setattr(scaling.Operation, "_ids", scaling.Operation._ids)  # restored after the test
     scaler = Scaler(Owner(), None, None, RouterConfig(), max_ranks=8, journal=scaling.OpJournal(path))
     assert [r.id for r in scaler.history] == [f"op-{n}-up-2to3" for n in range(6, 26)]
     assert [r.phase for r in scaler.history] == ["done"] * 19 + ["loading"]
+    assert scaler.tally == Tally(outcomes={"up": {"done": 24}}, followup_failures=1, masked_ranks=2)
     scaler.settle("adopted epoch 4: ranks [0, 1] active, none parked, [2] stopped")
     cut = scaler.history[-1]
     assert cut.phase == "interrupted" and cut.error == (
         "the router running it stopped in loading; the next one adopted epoch 4: ranks [0, 1] active, "
         "none parked, [2] stopped"
     )
-    reloaded = scaling.OpJournal(path).load()
-    assert len(path.read_text().splitlines()) == 20 and reloaded[-1] == cut
+    assert scaler.tally == Tally(outcomes={"up": {"done": 24, "interrupted": 1}}, followup_failures=1, masked_ranks=2)
+    lines = path.read_text().splitlines()
+    # The 5 operations dropped (one with a failed follow-up, one that masked a rank out) are tallied
+    # on the first line.
+    assert len(lines) == 22 and lines[0] == '{"outcomes":{"up":{"done":5}},"followup_failures":1,"masked_ranks":1}'
+    records, tally = scaling.OpJournal(path).load()
+    assert records[-1] == cut and tally == scaler.tally
     assert next(scaling.Operation._ids) == 26
 
 
-# ---- a source failing mid-pull, against scripted ranks -----------------------------------------
+def test_the_journal_is_compacted_while_the_router_runs(tmp_path):
+    """It gains a line per phase change; past `compact_after` lines it is rewritten with the recent
+    history alone, and loads as if it had never been compacted."""
+
+    def run(path, compact_after: int) -> list[int]:
+        journal, sizes = scaling.OpJournal(path, compact_after), []
+        journal.load()
+        for n in range(1, 41):
+            for phase in ("starting", "loading", "committing", "done" if n % 4 else "aborted"):
+                journal.save(rec(n, phase, kind="up" if n % 3 else "down"))
+                sizes.append(len(path.read_text().splitlines()))
+        return sizes
+
+    compacted, plain = tmp_path / "compacted.jsonl", tmp_path / "plain.jsonl"
+    sizes = run(compacted, compact_after=30)
+    assert max(sizes) == 30 and sizes[-1] < 30
+    assert max(run(plain, compact_after=10_000)) == 160
+    assert scaling.OpJournal(compacted).load() == scaling.OpJournal(plain).load()
+    records, tally = scaling.OpJournal(compacted).load()
+    assert [r.id for r in records] == [rec(n, "done", kind="up" if n % 3 else "down").id for n in range(21, 41)]
+    assert tally == Tally(outcomes={"up": {"done": 20, "aborted": 7}, "down": {"done": 10, "aborted": 3}})
+
+
+# ---- failures against scripted ranks: a source lost mid-pull, a rollback without a dead rank ----
 
 DENSE = ["embed", "attn", "norm"]
 S = 2  # slots per rank: 4 experts over ranks 0-2 are 0 3 | 1 0 | 2 1 (expert 2 only on rank 2)
@@ -197,13 +230,14 @@ S = 2  # slots per rank: 4 experts over ranks 0-2 are 0 3 | 1 0 | 2 1 (expert 2 
 
 class Ranks:
     """The router (RankPort) and the capacity provider for one operation, over scripted ranks:
-    every command succeeds at once and is recorded; `pull` answers PullWeights."""
+    every command succeeds at once and is recorded; `pull` answers PullWeights; `dead`: serving
+    ranks the router found dead."""
 
-    def __init__(self, pull):
-        self.statuses = {r: self.describe(r) for r in (0, 1, 2)}
-        self.failing: set[int] = set()
+    def __init__(self, ranks=(0, 1, 2), pull=None, dead=()):
+        self.statuses = {r: self.describe(r) for r in ranks}
+        self.failing: set[int] = set(dead)
         self.sent: list[tuple[int, object]] = []
-        self.fenced: list[int] = []
+        self.fenced: list[tuple[int, int]] = []  # (rank, pid)
         self.refused: dict[int, str] = {}
         self.checkpoints_parked = False
         self.pull = pull
@@ -246,7 +280,7 @@ class Ranks:
             return await self.pull(self, rank, msg)
         return m.ControlReply(ok=True)
 
-    def messages(self, kind: type, rank: int | None = None) -> list:
+    def messages(self, kind: type = object, rank: int | None = None) -> list:
         return [msg for r, msg in self.sent if isinstance(msg, kind) and rank in (None, r)]
 
     async def discover(self, ranks, provider, timeout) -> None:
@@ -269,7 +303,7 @@ class Ranks:
         return None
 
     async def fence(self, rank: int, pid: int, op: str) -> None:
-        self.fenced.append(rank)
+        self.fenced.append((rank, pid))
 
     async def release(self, rank: int, op: str, graceful: bool = True) -> None:
         pass
@@ -289,7 +323,7 @@ async def dies_mid_pull(ranks: Ranks, rank: int, msg: m.PullWeights) -> m.Contro
 
 
 def run(kind: str, pull) -> tuple[scaling.Operation, Ranks]:
-    ranks = Ranks(pull)
+    ranks = Ranks(pull=pull)
     current = balanced_placement(1, 4, 4, S, [0, 1, 2])
     op = scaling.Operation(
         ScaleRequest(dp_size=4 if kind == "up" else 2),
@@ -312,8 +346,8 @@ def test_a_scale_up_masks_a_source_that_failed_mid_pull_out_and_repulls_its_read
     takes no part), re-pulls exactly what rank 2 was to send from ranks 0 and 1, and commits
     ranks 0, 1 and 3."""
     op, ranks = run("up", dies_mid_pull)
-    assert (op.record.phase, op.record.error, op.record.failed_over) == ("done", "", [2]), op.record
-    assert ranks.fenced == [2] and op.topology.active == [0, 1, 3]
+    assert (op.record.phase, op.record.error, op.record.masked) == ("done", "", [2]), op.record
+    assert ranks.fenced == [(2, 102)] and op.topology.active == [0, 1, 3]
     first, again = ranks.messages(m.PullWeights, 3)
     lost = [it.dst_name for it in first.items if it.src_rank == 2]
     assert sorted(lost) == ["experts.0.1.down", "experts.0.1.gate", "experts.0.1.up", "norm"]
@@ -363,7 +397,7 @@ def test_a_lost_source_without_another_holder_fails_the_operation_naming_both():
         gone = [SourceLoss(2, "rank 2: READ of norm failed (source gone?)", lost)] if lost else []
         return m.ControlReply(ok=True, pull=PullStats(tensors=0, bytes=0, seconds=0.1, per_source={}, lost=gone))
 
-    ranks = Ranks(errs)
+    ranks = Ranks(pull=errs)
     current = balanced_placement(1, 4, 4, S, [0, 1, 2])
     # Expert 2 only on rank 2, and the joiner's first slot (its experts.0.0.*) wants it.
     target = Placement(S, [current.slots[0][:6] + [2, 1]])
@@ -390,3 +424,109 @@ def test_a_lost_source_without_another_holder_fails_the_operation_naming_both():
         "rank 3 lost source rank 2 mid-pull (rank 2: READ of norm failed (source gone?)) and no live rank holds "
         "experts.0.0.gate, experts.0.0.up, experts.0.0.down (of ranks [0, 1])"
     ), ei.value
+
+
+def rolled_back(dead):
+    """A scale-up 3 -> 4 whose commit of epoch 6 failed, rolled back at epoch 7 with `dead` found
+    dead: the rollback's messages to each rank, the operation, and the placement before."""
+    placement = balanced_placement(2, 8, 4, 4, [0, 1, 2])
+    ranks = Ranks([0, 1, 2, 3], dead=dead)
+    op = scaling.Operation(
+        ScaleRequest(dp_size=4), Committed(epoch=5, active=[0, 1, 2], placement=placement), [], ranks, ranks,
+        RouterConfig(), max_ranks=4, num_experts=8,
+    )  # fmt: skip
+    asyncio.run(op.rollback([0, 1, 2, 3], 7, "commit of epoch 6 failed"))
+    return ranks, op, placement
+
+
+def test_a_rollback_masks_out_a_serving_rank_found_dead_as_a_failover_would():
+    """Never an epoch with a dead rank active: rank 1 is fenced, the survivors stop waiting for it,
+    reload the experts it alone held, and go back to the old set without it."""
+    ranks, op, before = rolled_back(dead=[1])
+    target = shrink(before, [1], 8)
+    assert op.topology == Committed(epoch=7, active=[0, 2], placement=target) and op.record.masked == [1]
+    assert ranks.fenced == [(1, 101)] and 1 not in ranks.statuses and ranks.messages(rank=1) == []
+    reload = {slot // 4 for _, slot in changed_slots(before, target)}
+    assert reload and reload <= {0, 2}
+    for r in (0, 2):
+        expected = [
+            m.Pause(gone=[1]),
+            *([m.LoadExperts(placement=target, since=before)] if r in reload else []),
+            m.Configure(epoch=7, active=[0, 2], placement=target),
+            m.Resume(),
+            m.Disconnect(ranks=[1]),
+        ]
+        assert ranks.messages(rank=r) == expected, r
+    # The joiner is configured out.
+    assert ranks.messages(rank=3) == [
+        m.Pause(gone=[1]),
+        m.Configure(epoch=7, active=[], placement=target),
+        m.Resume(),
+    ]
+
+
+def test_a_rollback_with_every_rank_alive_goes_back_to_the_old_set():
+    ranks, op, before = rolled_back(dead=[])
+    assert op.topology == Committed(epoch=7, active=[0, 1, 2], placement=before) and op.record.masked == []
+    assert ranks.fenced == []
+    for r in (0, 1, 2, 3):
+        active = [0, 1, 2] if r < 3 else []
+        assert ranks.messages(rank=r) == [
+            m.Pause(),
+            m.Configure(epoch=7, active=active, placement=before),
+            m.Resume(),
+        ], r
+
+
+@pytest.mark.parametrize(
+    "end, then",
+    [
+        # Rolled back without rank 1: the size before, as after a failover.
+        ("rolled_back", ([0, 2], 3)),
+        # Done less rank 1 (a source lost mid-pull, masked out in a failover of its own): the target again.
+        ("done", ([0, 2, 3], 4)),
+    ],
+)
+def test_ranks_an_operation_masked_out_are_replaced(monkeypatch, end, then):
+    """A scale-up 3 -> 4 that masked out rank 1, which the router found dead meanwhile, leaves the
+    deployment a rank short: the scaler replaces it (no failover runs for it), and counts it."""
+    started: list[tuple[list[int], int]] = []
+    scalers: list[Scaler] = []
+
+    class Op:
+        preempted = False
+
+        def __init__(self, req, topology, *rest, **kw):
+            self.req, self.topology, self.id = req, topology, f"to-{req.dp_size}"
+            self.record = OpRecord(
+                id=self.id, kind="up", mode=req.mode, from_size=len(topology.active),
+                to_size=req.dp_size, phase="queued", joiners=[], leaving=[], phases={},
+            )  # fmt: skip
+
+        async def execute(self, load_now):
+            started.append((self.topology.active, self.req.dp_size))
+            if len(started) == 1:  # rank 1 died in the commit, or as a source mid-pull
+                scalers[0].fail([1])
+                self.record.phase, self.record.masked = end, [1]
+                return Committed(epoch=2, active=then[0], placement=None)
+            self.record.phase = "done"
+            return Committed(epoch=3, active=sorted([*self.topology.active, 1]), placement=None)
+
+    monkeypatch.setattr(scaling, "Operation", Op)
+
+    async def run():
+        owner, ready = Owner(), asyncio.Event()
+        owner.committed = Committed(epoch=1, active=[0, 1, 2], placement=None)
+        scalers.append(Scaler(owner, None, None, RouterConfig(), max_ranks=4))
+        task = asyncio.create_task(scalers[0].run(ready))
+        ready.set()
+        scalers[0].request(ScaleRequest(dp_size=4))
+        last = await scalers[0].wait_idle()
+        task.cancel()
+        return owner, last
+
+    owner, last = asyncio.run(run())
+    assert started == [([0, 1, 2], 4), then]
+    assert owner.committed.active == sorted([*then[0], 1]) and last.phase == "done"
+    outcomes = {"done": 2} if end == "done" else {end: 1, "done": 1}
+    assert scalers[0].tally == Tally(outcomes={"up": outcomes}, masked_ranks=1) and not scalers[0].failing

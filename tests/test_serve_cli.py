@@ -132,7 +132,15 @@ def serve_factory(tmp_path: Path) -> Iterator:
 def test_help_explains_options() -> None:
     r = run_cli("serve", "--help")
     assert r.returncode == 0, r.stderr
-    for text in ("--Name.key=value", "-f", "--namespace", "--discovery", "--etcd-endpoints", "exit codes"):
+    for text in (
+        "--Name.key=value",
+        "-f",
+        "--namespace",
+        "--discovery",
+        "--etcd-endpoints",
+        "exit codes",
+        "startup deadline",
+    ):
         assert text in r.stdout
     r = run_cli("serve", GRAPH, "--help")
     assert r.returncode == 0, r.stderr
@@ -345,6 +353,61 @@ def test_a_hung_component_is_killed_and_started_again(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_component_that_hangs_before_it_ever_answers_is_killed_and_started_again(tmp_path: Path) -> None:
+    """Liveness before the first answer: a process that hangs in its start, never answering its
+    health URL, is SIGKILLed at its startup deadline and restarted; the next start serves and is
+    left alone past that deadline."""
+    log, port = tmp_path / "serve.log", free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}/"
+    proc = serve_logged(
+        log,
+        "tests/graphs/restart:Sidecar",
+        f"--Sidecar.health_port={port}",
+        "--Sidecar.hang_at_start=true",
+        f"--Sidecar.hang_marker={tmp_path / 'hung-once'}",
+        "--Sidecar.startup_timeout_s=2",
+    )
+    try:
+        first, second = started(log, 2)[:2]
+        text = log.read_text()
+        assert f"Sidecar (pid {first}) did not answer {url} within 2 s of its start: hung, SIGKILL" in text, text
+        assert f"component Sidecar (pid {first}) was killed by signal SIGKILL; restarting it" in text
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(url, timeout=1)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        time.sleep(3.0)  # past the startup deadline: an answering process is not killed
+        assert alive(second) and log.read_text().count("hung, SIGKILL") == 1, log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_component_that_never_answers_stops_the_graph_after_three_starts() -> None:
+    port = free_ports(1)[0]
+    r = run_cli(
+        "serve",
+        "tests/graphs/restart:Sidecar",
+        f"--Sidecar.health_port={port}",
+        "--Sidecar.hang_at_start=true",
+        "--Sidecar.startup_timeout_s=1",
+    )
+    assert r.returncode == 1, r.stderr
+    url = f"http://127.0.0.1:{port}/"
+    assert len(re.findall(rf"did not answer {url} within 1 s of its start: hung, SIGKILL", r.stderr)) == 3, r.stderr
+    assert r.stderr.count("was killed by signal SIGKILL; restarting it") == 2, r.stderr
+    assert (
+        "was killed by signal SIGKILL, 3 times in a row before it ever answered its health URL; "
+        "not restarting it again, stopping the graph" in r.stderr
+    ), r.stderr
 
 
 def test_a_restartable_component_that_keeps_dying_stops_the_graph() -> None:

@@ -279,6 +279,10 @@ def test_other_model_and_max_ranks_are_refused(builtin_snap, builtin_target, sto
         r"max_ranks is 4 in the snapshot, 8 here$",
     ):
         check_compatible(builtin_snap[0], other)
+    # The scheduling policy is part of the baked engine.
+    mixed = msgspec.structs.replace(builtin_target, batch_invariant=False)
+    with pytest.raises(SnapshotMismatch, match=r"batch_invariant is True in the snapshot, False here$"):
+        check_compatible(builtin_snap[0], mixed)
     # A CUDA image restores only on the GPU and driver it was baked on.
     baked = msgspec.structs.replace(m, device_type="NVIDIA H200", driver_version="13000")
     here = msgspec.structs.replace(baked, device_type="NVIDIA H100 80GB HBM3", driver_version="12080")
@@ -489,7 +493,7 @@ def test_bake_on_cuda_records_gpu_and_graphs(tmp_path):
 
     path, m = bake(tmp_path / "gpu", device="cuda", max_seqs=8, progress=False)
     assert m.device_type == torch.cuda.get_device_name(0)
-    assert m.cuda_graph_sizes == [1, 2, 4, 8]
+    assert m.cuda_graph_sizes == [8] and m.batch_invariant  # one graph, every decode batch padded into it
     assert m.driver_version == "" or int(m.driver_version) >= 12000
     verify(path)
     check_compatible(m, target_for(None, device="cuda", max_seqs=8))

@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from components.control.capacity import CapacityProvider, LocalProvider
-from components.control.scaling import OpJournal, Scaler
+from components.control.scaling import OpJournal, Scaler, Tally
 from components.graph.component import Component, component_config, load_context
 from components.protocol.config import RouterConfig, WorkerConfig
 from components.protocol.lifecycle import RankState
@@ -80,7 +80,13 @@ class Router(Component):
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
         health = f"http://{f'[{host}]' if ':' in host else host}:{config.port}/health"
         return [
-            msgspec.structs.replace(s, restart=True, health_url=health, liveness_timeout_s=config.liveness_timeout_s)
+            msgspec.structs.replace(
+                s,
+                restart=True,
+                health_url=health,
+                liveness_timeout_s=config.liveness_timeout_s,
+                startup_timeout_s=config.startup_timeout_s,
+            )
             for s in super().processes(config, ctx)
         ]
 
@@ -127,8 +133,6 @@ class RouterService:
         self.ready = asyncio.Event()
         self.started = time.monotonic()
         self.scaler: Scaler | None = None
-        self.op_results: dict[tuple[str, str], int] = {}  # (kind, final phase) -> count
-        self.followup_failures = 0  # operations whose commit held but whose rebalance or cleanup failed
         # Its own registry, not the global one: several routers may live in one process (the tests').
         self.registry = CollectorRegistry()
         self.registry.register(self)
@@ -157,8 +161,6 @@ class RouterService:
         self._committed = topology
         if record.rebalance_downtime_s is not None:  # an EPLB committed: load counts from here
             self.load_base = {r: self.statuses[r].load for r in topology.active}
-        self.op_results[(record.kind, record.phase)] = self.op_results.get((record.kind, record.phase), 0) + 1
-        self.followup_failures += bool(record.followup_error)
 
     # ---- talking to ranks --------------------------------------------------------------------
     async def send(self, rank: int, msg) -> ControlReply:
@@ -415,8 +417,10 @@ class RouterService:
 
     def collect(self):
         """Prometheus collector (`self.registry`): the values are read at each scrape from what the
-        service holds, the ranks' last statuses and the operation history."""
+        service holds, the ranks' last statuses and the scaler's history and counters (which a
+        restarted router reloads from its journal: they go on from its predecessor's)."""
         st = sorted(self.statuses.items())
+        tally = self.scaler.tally if self.scaler else Tally()
         last = self.scaler.history[-1] if self.scaler and self.scaler.history else None
         yield GaugeMetricFamily("elastic_router_epoch", "Current topology epoch.", value=self.epoch)
         yield GaugeMetricFamily("elastic_router_active_ranks", "Ranks in the active set.", value=len(self.active))
@@ -428,13 +432,19 @@ class RouterService:
         ops = CounterMetricFamily(
             "elastic_scale_operations_total", "Scale operations by kind and outcome.", labels=["kind", "result"]
         )
-        for (k, p), n in sorted(self.op_results.items()):
-            ops.add_metric([k, p], n)
+        for kind, ends in sorted(tally.outcomes.items()):
+            for phase, n in sorted(ends.items()):
+                ops.add_metric([kind, phase], n)
         yield ops
         yield CounterMetricFamily(
             "elastic_scale_followup_failures_total",
             "Operations whose commit held but whose follow-up (rebalance or cleanup) failed.",
-            value=self.followup_failures,
+            value=tally.followup_failures,
+        )
+        yield CounterMetricFamily(
+            "elastic_scale_masked_ranks_total",
+            "Failed serving ranks masked out: by a failover, a rollback, or a scale-up whose pull source failed.",
+            value=tally.masked_ranks,
         )
         if last is not None:
             for name, help_, v in (

@@ -504,26 +504,82 @@ class Operation:
             return False
 
     async def rollback(self, involved, epoch: int, reason: str) -> None:
+        """Back to the previous set under `epoch`, less the serving ranks found dead: those are
+        masked out as a failover would (`mask`), so that no epoch ever lists a dead rank as active
+        and routable. A rank that misses a step of it is logged, and the rest goes on."""
         self.undoing = True
         old = self.topology
-        log.error("[op %s] rolling back to ranks %s at epoch %d: %s", self.id, old.active, epoch, reason)
-        reachable = [r for r in involved if self.provider.alive(r) is not False]
+        dead = [r for r in old.active if r in self.failed or self.port.failed(r) or self.provider.alive(r) is False]
+        active, placement = old.active, old.placement
+        if dead and len(dead) < len(old.active):
+            try:
+                placement = shrink(old.placement, dead, self.num_experts)
+                active = [r for r in old.active if r not in dead]
+            except ValueError as e:  # the failover that follows fails the same way, and says so
+                log.error("[op %s] cannot mask ranks %s out in the rollback: %s", self.id, dead, e)
+        masked = [r for r in old.active if r not in active]
+        log.error(
+            "[op %s] rolling back to ranks %s at epoch %d: %s%s",
+            self.id,
+            active,
+            epoch,
+            reason,
+            f"; masking out ranks {masked}, found dead" if masked else "",
+        )
+        reachable = [r for r in involved if r not in masked and self.provider.alive(r) is not False]
         # Survivors may be inside a collective with a rank that died during the commit: told it
-        # is gone, they give up on it now rather than at the EP timeout (the failover follows).
-        gone = sorted({*self.failed, *self.failing_serving(), *(r for r in involved if r not in reachable)})
-        for msg in (
-            lambda r: Pause(gone=gone),
-            lambda r: Configure(epoch=epoch, active=old.active if r in old.active else [], placement=old.placement),
-            lambda r: Resume(),
-        ):
-            results = await asyncio.gather(
-                *(self.call([r], msg, self.cfg.commit_timeout_s) for r in reachable), return_exceptions=True
-            )
-            for r, res in zip(reachable, results):
-                if isinstance(res, Exception):
-                    log.error("[op %s] rank %d missed the rollback: %s", self.id, r, res)
-        self.topology = Committed(epoch=epoch, active=old.active, placement=old.placement)
+        # is gone, they give up on it now rather than at the EP timeout.
+        gone = sorted({*self.failed, *dead, *(r for r in involved if r not in reachable)})
+        await self.mask(masked, placement, reachable, gone)
+        await self.each(
+            reachable,
+            lambda r: Configure(epoch=epoch, active=active if r in active else [], placement=placement),
+            self.cfg.commit_timeout_s,
+        )
+        await self.each(reachable, lambda r: Resume(), self.cfg.commit_timeout_s)
+        self.topology = Committed(epoch=epoch, active=active, placement=placement)
+        await self.masked_out(masked)
         self.rolled_back = True
+
+    async def fence(self, ranks: list[int]) -> None:
+        """Failed serving ranks can never act again (never two epochs: a stalled rank that comes
+        back must find itself gone), and are no longer known."""
+        for r in ranks:
+            if self._known(r):  # not yet fenced by an earlier attempt
+                await self.provider.fence(r, self.port.status(r).pid, self.id)
+                self.port.forget(r)
+
+    async def mask(self, failed: list[int], target: Placement, pause: list[int], gone: list[int]) -> None:
+        """The steps that mask failed serving ranks out, before the epoch without them is
+        installed; shared by a failover (also one inside a scale-up) and a rollback. The failed
+        ranks are fenced; the ranks in `pause` stop waiting for `gone` and pause with their
+        requests intact; experts that only the failed ranks held are loaded from the checkpoint
+        into the survivors' spare slots (where `target` differs from the committed placement)."""
+        current = self.topology.placement
+        await self.fence(failed)
+        if not self.undoing:  # a failover's downtime starts with this pause (a rollback's is its commit's)
+            self.pause_t0 = time.monotonic()
+        await self.each(pause, lambda r: Pause(gone=gone), self.cfg.commit_timeout_s)
+        reload = sorted({slot // target.slots_per_rank for _, slot in changed_slots(current, target)})
+        await self.each(reload, lambda r: LoadExperts(placement=target, since=current))
+
+    async def masked_out(self, failed: list[int]) -> None:
+        """The epoch without these failed ranks is committed: the record says so (the scaler
+        replaces them), and the serving ranks forget them."""
+        if failed:
+            self.record.masked = sorted({*self.record.masked, *failed})
+            await self.each(self.active, lambda r: Disconnect(ranks=failed), self.cfg.commit_timeout_s)
+
+    async def each(self, ranks, make: Callable[[int], object], timeout: float | None = None) -> None:
+        """`call`, except while undoing (a rollback): then a rank that misses it is logged and the
+        others go on, since the rollback must reach every rank it can."""
+        if not self.undoing:
+            await self.call(ranks, make, timeout)
+            return
+        results = await asyncio.gather(*(self.call([r], make, timeout) for r in ranks), return_exceptions=True)
+        for r, res in zip(ranks, results):
+            if isinstance(res, Exception):
+                log.error("[op %s] rank %d missed the rollback: %s", self.id, r, res)
 
     # ---- the operations ----------------------------------------------------------------------
     async def scale_up(self) -> None:
@@ -610,41 +666,30 @@ class Operation:
     async def failover(self) -> None:
         """Mask failed serving ranks out: a forced scale-down that asks nothing of them. The
         commit installs the survivors under a new epoch and every paused step runs again."""
-        survivors, target = await self.mask(self.failed)
+        survivors, target = await self.ready_survivors(self.failed)
         self.transition(Phase.COMMITTING)
         self.scale_committed(await self.commit(survivors, target))
-        await self.call(survivors, lambda r: Disconnect(ranks=self.failed))
+        await self.masked_out(self.failed)
 
-    async def mask(self, failed: list[int]) -> tuple[list[int], Placement]:
-        """Ready the survivors to serve without these failed serving ranks: the failed ones are
-        fenced, the survivors stop waiting for them and pause with their requests intact, and
-        experts that only the failed ones held are loaded from the checkpoint into the
-        survivors' spare slots. Returns the survivors and the placement to commit them with."""
+    async def ready_survivors(self, failed: list[int]) -> tuple[list[int], Placement]:
+        """Ready the survivors to serve without these failed serving ranks (`mask`); returns them
+        and the placement to commit them with."""
         self.failed = sorted({*self.failed, *failed})
-        current = self.topology.placement
         survivors = [r for r in self.active if r not in self.failed]
         if not survivors:
             raise ScaleError(f"every serving rank failed ({self.failed}): nothing to fail over to")
-        target = shrink(current, failed, self.num_experts)
-        self.record.failed_over = list(self.failed)
+        target = shrink(self.topology.placement, failed, self.num_experts)
         self.transition(Phase.MASKING, f"ranks {failed} failed; survivors {survivors} pause and reload their experts")
-        for r in failed:  # never two epochs: a stalled rank that comes back must find itself gone
-            if self._known(r):  # not yet fenced by an earlier attempt
-                await self.provider.fence(r, self.port.status(r).pid, self.id)
-                self.port.forget(r)
-        self.pause_t0 = time.monotonic()
-        await self.call(survivors, lambda r: Pause(gone=self.failed), self.cfg.commit_timeout_s)
-        reload = sorted({slot // target.slots_per_rank for _, slot in changed_slots(current, target)})
-        await self.call(reload, lambda r: LoadExperts(placement=target, since=current))
+        await self.mask(failed, target, survivors, self.failed)
         return survivors, target
 
     async def absorb(self, failed: list[int]) -> None:
         """A failover inside this scale-up: mask the failed serving ranks out and commit the
         survivors (the joiners, still loading, take no part), then go on loading."""
-        survivors, target = await self.mask(failed)
+        survivors, target = await self.ready_survivors(failed)
         downtime = await self.commit(survivors, target, involved=survivors)
         self.record.failover_downtime_s, self.record.failover_committed_at = round(downtime, 6), time.time()
-        await self.call(survivors, lambda r: Disconnect(ranks=failed))
+        await self.masked_out(failed)
         if self.req.mode is ScaleMode.BLOCKING:  # mode A keeps serving paused for the whole operation
             await self.pause_all()
         self.transition(Phase.LOADING, f"ranks {failed} masked out; the joiners' lost reads come from {survivors}")
@@ -704,9 +749,11 @@ class Operation:
                 else:
                     await self.provider.release(j, self.id, graceful=False)
                 self.port.forget(j)
-        if self.leaving:  # back into routing: they never left the active set
+        # Not those found dead (a failover's, or those its rollback masked out).
+        back = [r for r in self.leaving if r in self.active and r not in self.failed]
+        if back:  # back into routing: they never left the active set
             await asyncio.gather(
-                *(self.call([r], lambda r: SetRoutable(routable=True), t) for r in self.leaving),
+                *(self.call([r], lambda r: SetRoutable(routable=True), t) for r in back),
                 return_exceptions=True,
             )
         if self.pause_t0 is not None:  # mode A paused serving for the operation
@@ -748,20 +795,54 @@ def by_source(items: list[PullItem]) -> dict[int, list[str]]:
 
 
 INTERRUPTED = "interrupted"  # an operation's phase once the router that ran it is gone
+ENDED = {p.value for p in _FINAL} | {INTERRUPTED}
 HISTORY = 20  # operations kept in the history (and its journal)
+COMPACT_AFTER = 500  # journal lines (some 25 phase changes per operation kept) that trigger a compaction
+
+
+class Tally(msgspec.Struct, forbid_unknown_fields=True):
+    """The router's operation counters: operations by kind and how they ended, those whose
+    follow-up failed after their commit, and the failed serving ranks masked out (a failover's,
+    but also a rollback's and a scale-up's own, which no failover operation counts)."""
+
+    outcomes: dict[str, dict[str, int]] = {}  # kind -> final phase (or interrupted) -> count
+    followup_failures: int = 0
+    masked_ranks: int = 0
+
+    def count(self, record: OpRecord) -> None:
+        """Count an operation that ended (others are not yet)."""
+        if record.phase not in ENDED:
+            return
+        of_kind = self.outcomes.setdefault(record.kind, {})
+        of_kind[record.phase] = of_kind.get(record.phase, 0) + 1
+        self.followup_failures += bool(record.followup_error)
+        self.masked_ranks += len(record.masked)
+
+    def add(self, other: Tally) -> None:
+        for kind, ends in other.outcomes.items():
+            of_kind = self.outcomes.setdefault(kind, {})
+            for phase, n in ends.items():
+                of_kind[phase] = of_kind.get(phase, 0) + n
+        self.followup_failures += other.followup_failures
+        self.masked_ranks += other.masked_ranks
 
 
 class OpJournal:
     """The operation history as JSON lines, one line per record at each phase change (the last
     line of an id wins), so that a router `dynamo serve` restarted shows the history and what its
-    predecessor left in flight. Appended without fsync: a killed process's writes survive it."""
+    predecessor left in flight, and counts on from its counters. Appended without fsync: a killed
+    process's writes survive it. Compacted to the last `HISTORY` records, after a line that tallies
+    the operations dropped, when loaded and whenever it reached `compact_after` lines."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, compact_after: int = COMPACT_AFTER):
+        self.path, self.compact_after = path, compact_after
+        self.records: dict[str, OpRecord] = {}  # the latest state of each operation in the file
+        self.dropped = Tally()  # what the operations compacted away counted
+        self.lines = 0  # in the file
 
-    def load(self) -> list[OpRecord]:
-        """The records, oldest first (the last `HISTORY`); the file is rewritten with only them."""
-        records: dict[str, OpRecord] = {}
+    def load(self) -> tuple[list[OpRecord], Tally]:
+        """The records, oldest first (the last `HISTORY`), and the tally of every operation the
+        journal saw end; the file is compacted."""
         try:
             lines = self.path.read_bytes().splitlines()
         except FileNotFoundError:
@@ -769,30 +850,54 @@ class OpJournal:
         for line in lines:
             try:
                 rec = msgspec.json.decode(line, type=OpRecord)
-            except msgspec.DecodeError:  # a line torn by the kill, or not ours: skipped
+            except msgspec.DecodeError:
+                try:
+                    self.dropped = msgspec.json.decode(line, type=Tally)
+                except msgspec.DecodeError:  # a line torn by the kill, or not ours: skipped
+                    pass
                 continue
-            records.pop(rec.id, None)  # re-inserted: ordered by its latest line
-            records[rec.id] = rec
-        kept = sorted(records.values(), key=lambda r: r.started_at)[-HISTORY:]
+            self.records[rec.id] = rec
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in kept))
-        tmp.replace(self.path)
-        return kept
+        self.compact()
+        total = Tally()
+        total.add(self.dropped)
+        for rec in self.records.values():
+            total.count(rec)
+        return list(self.records.values()), total
 
     def save(self, record: OpRecord) -> None:
+        self.records[record.id] = record
         try:
+            if self.lines >= self.compact_after:
+                self.compact()
+                return
             with self.path.open("ab") as f:
                 f.write(msgspec.json.encode(record) + b"\n")
+            self.lines += 1
         except OSError as e:  # the history is for people: losing a line must not fail the operation
             log.warning("[op %s] could not journal its record to %s: %s", record.id, self.path, e)
+
+    def compact(self) -> None:
+        """Rewrite the file with the last `HISTORY` records, the older ones only tallied."""
+        ordered = sorted(self.records.values(), key=lambda r: r.started_at)
+        for rec in ordered[:-HISTORY]:
+            self.dropped.count(rec)
+        kept = ordered[-HISTORY:]
+        self.records = {r.id: r for r in kept}
+        lines = [msgspec.json.encode(r) for r in kept]
+        if self.dropped != Tally():
+            lines.insert(0, msgspec.json.encode(self.dropped))
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(b"".join(line + b"\n" for line in lines))
+        tmp.replace(self.path)
+        self.lines = len(lines)
 
 
 class Scaler:
     """Runs operations one at a time toward the latest requested size. While one runs, the
     topology it has committed so far is the deployment's (`topology`). With a `journal`, the
-    history outlives the router: a restarted one reloads it (`settle` then says how what was in
-    flight ended)."""
+    history and the counters (`tally`) outlive the router: a restarted one reloads them (`settle`
+    then says how what was in flight ended)."""
 
     def __init__(
         self,
@@ -808,7 +913,7 @@ class Scaler:
         self.pending: ScaleRequest | None = None
         self.failing: set[int] = set()  # serving ranks found dead, not yet failed over
         self.current: Operation | None = None
-        self.history: list[OpRecord] = journal.load() if journal else []
+        self.history, self.tally = journal.load() if journal else ([], Tally())
         numbers = [int(m.group(1)) for r in self.history if (m := re.match(r"op-(\d+)-", r.id))]
         if numbers:
             Operation.number_after(max(numbers))
@@ -833,10 +938,11 @@ class Scaler:
         """The reloaded operations the last router left unfinished are over: `interrupted`, with
         what the router that took over made of the deployment (`outcome`)."""
         for rec in self.history:
-            if rec.phase not in {p.value for p in _FINAL} and rec.phase != INTERRUPTED:
+            if rec.phase not in ENDED:
                 rec.error = f"the router running it stopped in {rec.phase}; the next one {outcome}"
                 log.warning("[op %s] interrupted: %s", rec.id, rec.error)
                 rec.phase = INTERRUPTED
+                self.tally.count(rec)
                 self._journal(rec)
 
     def _journal(self, record: OpRecord) -> None:
@@ -893,19 +999,21 @@ class Scaler:
             self._journal(op.record)
             result = await op.execute(self.owner.expert_load)
             self.current = None
+            self.tally.count(op.record)
             self.owner.operation_ended(op.record, result)
-            if (op.preempted or op.record.failed_over) and not failed and self.pending is None:
-                # Cut short by a failed serving rank, or it masked one out itself: tried again
-                # (after the failover), which also replaces what failed (an injected fault was
-                # this attempt's).
-                log.info("[op %s] its target dp_size %d is requested again after the failover", op.id, req.dp_size)
+            masked = set(op.record.masked)  # by a failover, a rollback, or a scale-up's own failover
+            if (op.preempted or (masked and op.record.phase == "done")) and not failed and self.pending is None:
+                # Cut short by a failed serving rank, or done less the ranks it masked out: tried
+                # again once that rank is masked out (by the failover or its rollback), and then it
+                # also replaces what failed (an injected fault was this attempt's).
+                log.info("[op %s] its target dp_size %d is requested again", op.id, req.dp_size)
                 self.pending = msgspec.structs.replace(req, fault="")
-            if failed and op.record.phase != "done":
+            if not masked.issuperset(failed):
                 # A survivor failed too (it is found and joins `failing`): try again shortly.
                 await asyncio.sleep(self.cfg.status_interval_s)
                 continue
-            self.failing -= set(failed)
-            if failed and op.record.phase == "done" and self.pending is None:
+            self.failing -= masked
+            if masked and self.pending is None:
                 # The capacity provider replaces what failed: back to the size before.
                 self.pending = ScaleRequest(dp_size=len(start.active))
 

@@ -1,4 +1,5 @@
-"""Piecewise CUDA graphs for decode.
+"""Piecewise CUDA graphs for decode, and for prompt chunks laid out one token a row (a row's
+context ending at itself makes the decode attention causal; see scheduler.batch's per_token).
 
 The EP all-to-all is driven from the host (variable sizes, notifications), so it cannot live in a
 graph. A decode step is therefore captured as segments split at each expert-parallel feed-forward,

@@ -26,7 +26,7 @@ class ForwardBatch:
     q_lens: list[int]
     ctx_lens_list: list[int]
     slots_list: list[int]  # `slots` on the host: prefill slices by it without a device sync
-    kv_len: int  # keys read per decode sequence: max context here, the whole cache under a graph
+    kv_len: int  # keys a CPU decode reads per sequence: max context here, the whole cache under a graph
 
     @property
     def decode_only(self) -> bool:
@@ -73,6 +73,17 @@ class Rotary(nn.Module):
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def gathered_decode(q, kc, vc, slots: torch.Tensor, ctx_lens: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Decode attention of q [B, nh, hd] over the first kv_len positions of each row's cache slot,
+    copied out, with a length mask: fixed shapes, so a graph can capture it, but every row copies
+    kv_len positions whatever its context (the CUDA path reads in place: decode_attention.py)."""
+    keys = kc[slots, :kv_len].transpose(1, 2)
+    vals = vc[slots, :kv_len].transpose(1, 2)
+    mask = (torch.arange(kv_len, device=q.device) < ctx_lens.unsqueeze(1))[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, enable_gqa=True)
+    return out.squeeze(2)
+
+
 class Attention(nn.Module):
     def __init__(self, hidden, num_heads, num_kv_heads, head_dim, bias: bool, rotary: Rotary, layer: int):
         super().__init__()
@@ -99,13 +110,11 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(T, self.nh * self.hd))
 
     def _decode(self, q, kc, vc, batch: ForwardBatch) -> torch.Tensor:
-        # Batched over sequences with a length mask: fixed shapes, so it can be graph-captured.
-        S = batch.kv_len
-        keys = kc[batch.slots, :S].transpose(1, 2)
-        vals = vc[batch.slots, :S].transpose(1, 2)
-        mask = (torch.arange(S, device=q.device) < batch.ctx_lens.unsqueeze(1))[:, None, None, :]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, enable_gqa=True)
-        return out.squeeze(2)
+        if q.is_cuda:  # reads each row's cache in place up to its own context length
+            from components.engine.decode_attention import decode_attention
+
+            return decode_attention(q, kc, vc, batch.slots, batch.ctx_lens)
+        return gathered_decode(q, kc, vc, batch.slots, batch.ctx_lens, batch.kv_len)
 
     def _prefill(self, q, kc, vc, batch: ForwardBatch, i: int, start: int) -> torch.Tensor:
         """Sequence i, whose tokens start at `start` in the batch (they are laid out in order)."""

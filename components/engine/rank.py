@@ -51,7 +51,12 @@ class RankConfig(msgspec.Struct, frozen=True):
     max_batched_tokens: int = 256
     min_ranks: int = 1  # fewest active ranks that must hold every expert: sizes the expert slots
     redundant_experts: int = 0
-    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)  # decode batch sizes captured on CUDA; () = eager
+    # Outputs that do not change with the load (Scheduler's batch-invariant policy, one decode graph
+    # of max_seqs rows); False: mixed steps and a graph per power of two, outputs in bf16 then
+    # change with what else runs.
+    batch_invariant: bool = True
+    # Decode batch sizes captured on CUDA; None: decode_graph_sizes's choice; (): eager.
+    cuda_graph_sizes: tuple[int, ...] | None = None
     idle_wait_s: float = 0.002
     ep_timeout_s: float = 30.0
     vmm: bool = False  # CUDA: weights, expert slots and KV in one VMM arena (release_memory/restore_memory)
@@ -94,6 +99,20 @@ def context_length(requested: int, mc, max_seqs: int, dtype: torch.dtype, device
         per_token * positions / 1e9,
     )
     return length
+
+
+def decode_graph_sizes(cfg: RankConfig) -> list[int]:
+    """The row counts a CUDA rank captures graphs for. Batch-invariant: max_seqs for every decode
+    step, so a decode is the same graph under any load (padding rows are dispatched to no expert
+    and attend over one key block), and the powers of two above it up to max_batched_tokens for
+    prompt chunks, one token a row, the size chosen by the chunk alone. Otherwise powers of two up
+    to max_seqs, and max_seqs itself, so no decode batch falls back to eager kernels."""
+    top, budget = cfg.max_seqs, cfg.max_batched_tokens
+    if cfg.cuda_graph_sizes is not None:
+        return sorted(b for b in cfg.cuda_graph_sizes if b <= max(top, budget))
+    if cfg.batch_invariant:
+        return sorted({top, *(1 << i for i in range(budget.bit_length()) if top < 1 << i < budget), max(top, budget)})
+    return sorted({*(1 << i for i in range(top.bit_length()) if 1 << i < top), top})
 
 
 def _free_memory(device: torch.device) -> int:
@@ -180,12 +199,14 @@ class EngineRank:
 
             self.arena = place_engine_memory(self.model, self.kv, self.device)  # before graph capture
         self.graphs = None
-        sizes = [b for b in cfg.cuda_graph_sizes if b <= cfg.max_seqs]
+        sizes = decode_graph_sizes(cfg)
         if self.device.type == "cuda" and sizes:
             from components.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs)
-        self.sched = Scheduler(cfg.max_seqs, self.max_len, cfg.max_batched_tokens, mc.eos_token_ids)
+        self.sched = Scheduler(
+            cfg.max_seqs, self.max_len, cfg.max_batched_tokens, mc.eos_token_ids, invariant=cfg.batch_invariant
+        )
         self.epoch = 0
         self.placement: Placement | None = None  # the one configured with `epoch`
         self.steps = 0  # forward steps taken (dummy steps included)
@@ -486,10 +507,18 @@ class EngineRank:
             self.model.dummy_step()
             self._settle()
             return
-        batch = self.sched.batch(work, self.device)
+        # A prompt chunk of a batch-invariant rank runs through the graphs one token a row, in the
+        # graph its length picks: only its last row's logits are sampled.
+        rows = (
+            self.graphs is not None
+            and self.cfg.batch_invariant
+            and len(work) == 1
+            and 1 < work[0][1] <= self.graphs.sizes[-1]
+        )
+        batch = self.sched.batch(work, self.device, per_token=rows)
         params = self._sample_params(work)  # copied in before the forward is queued: no wait
         if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(batch)
+            logits = self.graphs.run(batch)[-1:] if rows else self.graphs.run(batch)
         else:
             logits = self.model(batch, self.kv)
         ids = torch.argmax(logits, dim=-1) if params is None else sample(logits, *params)

@@ -1,4 +1,12 @@
-"""Continuous batching: decodes first, then prefill chunks up to a token budget per step."""
+"""Continuous batching, in one of two policies.
+
+Mixed (vLLM's default shape): each step takes every decode, then prefill chunks up to a token
+budget. Batch-invariant: a step is either every decode or one chunk of one prompt, the two taking
+turns while both wait. A token's arithmetic then never depends on what else is running: decodes
+run as one fixed-size CUDA graph whatever their number (see rank.decode_graph_sizes), and a
+prompt is cut into the same chunks, computed alone, under any load; in a mixed step the kernels
+that cuBLAS picks, the attention's key length and the chunking all follow the other requests, and
+bf16 greedy completions change with the load."""
 
 from __future__ import annotations
 
@@ -41,8 +49,10 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, max_seqs: int, max_len: int, max_batched_tokens: int, eos_token_ids):
+    def __init__(self, max_seqs: int, max_len: int, max_batched_tokens: int, eos_token_ids, invariant: bool):
         self.max_len, self.budget = max_len, max_batched_tokens
+        self.invariant = invariant
+        self._prefill_turn = False
         self.eos = set(eos_token_ids)
         self.max_seqs = max_seqs
         self.free_slots = list(range(max_seqs))[::-1]
@@ -71,6 +81,8 @@ class Scheduler:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             self.running.append(seq)
+        if self.invariant:
+            return self._schedule_invariant()
         work, budget = [], self.budget
         for seq in sorted(self.running, key=lambda s: s.step_tokens > 1):  # decodes first
             n = min(seq.step_tokens, budget)
@@ -79,7 +91,19 @@ class Scheduler:
                 budget -= n
         return work
 
-    def batch(self, work: list[tuple[Sequence, int]], device, graph_len: int | None = None) -> ForwardBatch:
+    def _schedule_invariant(self) -> list[tuple[Sequence, int]]:
+        prefills = [s for s in self.running if s.num_computed < s.sample_from]
+        decodes = [(s, 1) for s in self.running if s.num_computed >= s.sample_from and s.step_tokens]
+        self._prefill_turn = bool(prefills) and (not decodes or not self._prefill_turn)
+        if self._prefill_turn:
+            seq = prefills[0]  # admission order: the oldest prompt first
+            # Chunks of the whole budget from the prompt's start: the same cuts under any load.
+            return [(seq, min(seq.sample_from - seq.num_computed, self.budget))]
+        return decodes
+
+    def batch(self, work: list[tuple[Sequence, int]], device, per_token: bool = False) -> ForwardBatch:
+        """`per_token` (one prompt's chunk): each token a row of its own, its context ending at
+        itself, so the chunk runs through the decode graphs with causal attention by row length."""
         ids, pos, tslots, last, ctx = [], [], [], [], []
         for seq, n in work:
             start = seq.num_computed
@@ -88,8 +112,9 @@ class Scheduler:
             tslots += [seq.slot] * n
             last.append(len(ids) - 1)
             ctx.append(start + n)
-
-        slots = [s.slot for s, _ in work]
+        if per_token:
+            last, ctx = list(range(len(ids))), [p + 1 for p in pos]
+        slots = tslots if per_token else [s.slot for s, _ in work]
 
         def t(v):
             return torch.tensor(v, dtype=torch.int64, device=device)
@@ -101,10 +126,10 @@ class Scheduler:
             slots=t(slots),
             ctx_lens=t(ctx),
             last_index=t(last),
-            q_lens=[n for _, n in work],
+            q_lens=[1] * len(ids) if per_token else [n for _, n in work],
             ctx_lens_list=ctx,
             slots_list=slots,
-            kv_len=graph_len or max(ctx),
+            kv_len=max(ctx),
         )
 
     def update(self, work: list[tuple[Sequence, int]], next_tokens: list[int | None]) -> None:

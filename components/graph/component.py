@@ -40,10 +40,12 @@ class ProcessSpec(msgspec.Struct):
     restart: bool = False
     # Liveness: `dynamo serve` GETs this URL while the process runs, and one that has not answered
     # (any HTTP status) for `liveness_timeout_s` is hung (stopped, deadlocked): it is SIGKILLed,
-    # and then restarted or reported like any other death. Probing starts at its first answer, so
-    # a long start is never taken for a hang.
+    # and then restarted or reported like any other death. Until its first answer it has
+    # `startup_timeout_s` instead, so that a long start is not taken for a hang, but one that
+    # hangs before it ever answers is; that counts as a death soon after its start.
     health_url: str = ""
     liveness_timeout_s: float = 5.0
+    startup_timeout_s: float = 60.0
 
 
 class GraphContext(msgspec.Struct):

@@ -57,7 +57,9 @@ config file (-f): YAML mapping of component name -> {field: value}, e.g.
 exit codes: 0 after a requested stop (Ctrl-C / SIGTERM), 1 when a critical component dies (a
 restartable one, such as the router, is started again unless it keeps dying within 30 s of its
 start), 2 on a usage or config error (nothing is started). A component with a health URL (the
-router) that stops answering it is killed as hung, then restarted or reported like a death.
+router) that stops answering it is killed as hung, then restarted or reported like a death; so is
+one that never answers it within its startup deadline (the router's: --Router.startup_timeout_s,
+60 s by default), which counts as dying soon after its start.
 """
 
 
@@ -323,6 +325,7 @@ class Supervisor:
         self.exit_code = 0
         self.force = False
         self._tasks: set[asyncio.Task[None]] = set()  # the loop only keeps weak references
+        self._hung_at_start: set[Child] = set()  # killed before they ever answered their health URL
 
     async def start(self, component: str, spec: ProcessSpec, quick_deaths: int = 0) -> None:
         """Start one process and watch it; `quick_deaths`: how many times in a row it died soon
@@ -342,28 +345,41 @@ class Supervisor:
         _err(f"started {spec.label} (pid {child.pid}{kind})")
 
     async def _liveness(self, child: Child) -> None:
-        """SIGKILL the child once it stops answering its health URL (its watch then restarts or
-        reports it): a hung process is as useless as a dead one, but nothing else would notice."""
+        """SIGKILL the child once it stops answering its health URL, or when it never answered it
+        within its startup deadline (its watch then restarts or reports it): a hung process is as
+        useless as a dead one, but nothing else would notice."""
         import aiohttp
 
-        url, deadline = child.spec.health_url, child.spec.liveness_timeout_s
-        every = min(1.0, deadline / 3)
+        url, deadline, grace = child.spec.health_url, child.spec.liveness_timeout_s, child.spec.startup_timeout_s
+        every = min(1.0, deadline / 3, grace / 3)
+        started = time.monotonic()
         last: float | None = None  # its last answer; None before the first
         async with aiohttp.ClientSession() as session:
             while child.proc.returncode is None and not self.stop.is_set():
                 t = time.monotonic()
-                if await answers(session, url, deadline):
+                if await answers(session, url, deadline if last is not None else min(deadline, grace)):
                     last = time.monotonic()
                 elif last is not None and time.monotonic() - last > deadline:
                     silent = time.monotonic() - last
                     _err(f"{child.label} (pid {child.pid}) did not answer {url} for {silent:.1f} s: hung, SIGKILL")
                     child.signal_group(signal.SIGKILL)
                     return
+                elif last is None and time.monotonic() - started > grace:
+                    _err(
+                        f"{child.label} (pid {child.pid}) did not answer {url} within {grace:g} s of its start: "
+                        "hung, SIGKILL"
+                    )
+                    self._hung_at_start.add(child)
+                    child.signal_group(signal.SIGKILL)
+                    return
                 await asyncio.sleep(max(0.0, every - (time.monotonic() - t)))
 
     async def _watch(self, child: Child, component: str, started: float, quick_deaths: int) -> None:
         rc = await child.proc.wait()
-        quick_deaths = quick_deaths + 1 if time.monotonic() - started < QUICK_DEATH_S else 0
+        # One that never came up cannot run as configured either, however long it was given.
+        never_up = child in self._hung_at_start
+        self._hung_at_start.discard(child)
+        quick_deaths = quick_deaths + 1 if never_up or time.monotonic() - started < QUICK_DEATH_S else 0
         try:
             await asyncio.wait_for(asyncio.shield(child.pump), 2.0)
         except TimeoutError:
@@ -385,8 +401,11 @@ class Supervisor:
                 _err(f"cannot restart {child.label}: {e}; stopping the graph")
                 self.request_stop(f"{child.label} could not be restarted", 1)
         elif child.spec.restart:
+            when = (
+                "before it ever answered its health URL" if never_up else f"within {QUICK_DEATH_S:.0f} s of its start"
+            )
             _err(
-                f"{what}, {quick_deaths} times in a row within {QUICK_DEATH_S:.0f} s of its start; "
+                f"{what}, {quick_deaths} times in a row {when}; "
                 f"not restarting it again, stopping the graph. Last log lines:\n{tail}"
             )
             self.request_stop(f"{child.label} keeps dying", 1)

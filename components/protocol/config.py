@@ -24,6 +24,11 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_seqs: int = 16
     max_len: int = 0  # longest sequence; 0 = the model's context length, capped by memory
     max_batched_tokens: int = 256
+    # Greedy outputs (and seeded samples) that do not change with the load, bit for bit: a step
+    # is either all decodes, as one CUDA graph of max_seqs rows, or one chunk of one prompt (see
+    # components/engine/scheduler.py). False: vLLM's mixed steps and a graph per batch size,
+    # whose kernels follow the batch, so bf16 completions change with what else runs.
+    batch_invariant: bool = True
     # Baked snapshots (`snapshot-bake bake`, the criu tier) new joiners are restored from; "" =
     # none. One that does not match this deployment, fails its checksums or fails to restore is
     # refused (the reason logged and in the operation's record) and the joiner cold-starts.
@@ -78,6 +83,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     # A router whose /health has not answered for this long is hung (stopped, its event loop
     # blocked): `dynamo serve` kills it and starts another, which adopts what the ranks serve.
     liveness_timeout_s: float = 5.0
+    # One whose /health has not answered this long after its start, not even once, hangs in its
+    # start (an import or the runtime's connection stuck): killed and started again the same way.
+    startup_timeout_s: float = 60.0
     # Where the router keeps its operation history (operations.jsonl), which a restarted router
     # reloads; "" keeps it in the graph's run directory (`dynamo serve`'s, gone when it stops).
     state_dir: str = ""
@@ -85,6 +93,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.liveness_timeout_s > 0:
             raise ValueError("liveness_timeout_s must be > 0")
+        if not self.startup_timeout_s > 0:
+            raise ValueError("startup_timeout_s must be > 0")
         # What a bearer token may be (RFC 6750 b64token): anything else could not be sent as is.
         if self.token and not re.fullmatch(r"[A-Za-z0-9\-._~+/]+=*", self.token):
             raise ValueError("token must be printable ASCII: letters, digits and -._~+/ (then = padding)")

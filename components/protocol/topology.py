@@ -90,8 +90,10 @@ class OpRecord(msgspec.Struct):
     parked: list[int] = []  # leaving ranks kept for the next scale-up
     error: str = ""  # why it aborted or rolled back, or what failed after its commit
     followup_error: str = ""  # the commit held but its cleanup or rebalance failed
-    failed_over: list[int] = []  # serving ranks it masked out (a failover; a scale-up whose source failed mid-pull)
-    # A scale-up's own failover: its commit's pause and when it ended (a failover's are downtime_s, committed_at).
+    # Serving ranks found dead that it masked out: as a failover, in a rollback, or (a scale-up
+    # whose pull source failed) in a failover of its own, whose commit the next two time (a
+    # failover's are downtime_s and committed_at; a rollback's pause is not timed).
+    masked: list[int] = []
     failover_downtime_s: float | None = None
     failover_committed_at: float | None = None
     pull_losses: list[PullLoss] = []  # sources lost mid-pull: what they were to send, and from whom it came

@@ -1,0 +1,143 @@
+"""The engine's Triton kernels against torch: decode attention (decode_attention.py) against
+scaled_dot_product_attention, the expert GEMMs (expert_gemm.py) against SwiGLU in fp32. Compiled on
+a GPU; on the CPU under Triton's interpreter (harness.triton_interpreter), in a subprocess: the
+interpreter must be on before a kernel is defined (at import), and no other test may get
+interpreted kernels."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
+
+
+def attention_reference(q, kc, vc, slots, ctx) -> torch.Tensor:
+    """Each row alone through SDPA over its own cache rows below its context length, in fp32."""
+    out = []
+    for i, (s, n) in enumerate(zip(slots.tolist(), ctx.tolist())):
+        keys, vals = (c[s, :n].transpose(0, 1).float() for c in (kc, vc))
+        out.append(F.scaled_dot_product_attention(q[i].float().unsqueeze(1), keys, vals, enable_gqa=True))
+    return torch.stack(out).squeeze(2)
+
+
+def check_decode_attention(device: str, dtype: torch.dtype, nh: int, nkv: int, hd: int, max_len: int) -> None:
+    """Against SDPA at context lengths 1 to max_len around the block size; every cache position a
+    row must not read is NaN, so one that leaked into a result would show; and a row's output is
+    bitwise the same alone, in a batch of 16 padded with scratch rows (context 1), and in a batch
+    of another size."""
+    from components.engine.decode_attention import BLOCK_N, decode_attention
+
+    torch.manual_seed(0)
+    ctx = [1, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, max_len, max_len // 2 + 3, 2]
+    seqs, scratch = len(ctx), len(ctx)  # one slot per sequence and a scratch slot behind them
+    shape = (seqs + 1, max_len, nkv, hd)
+    kc, vc = (torch.randn(shape, device=device).to(dtype) for _ in range(2))
+    slots = torch.tensor(list(range(seqs)) + [scratch] * (16 - seqs), device=device)
+    lens = torch.tensor(ctx + [1] * (16 - seqs), device=device)
+    q = torch.randn(len(lens), nh, hd, device=device).to(dtype)
+    want = attention_reference(q, kc, vc, slots, lens)
+    for c in (kc, vc):
+        for s, n in zip(slots.tolist(), lens.tolist()):
+            c[s, n:] = float("nan")
+    got = decode_attention(q, kc, vc, slots, lens)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    for i in range(seqs):
+        alone = decode_attention(q[i : i + 1], kc, vc, slots[i : i + 1], lens[i : i + 1])
+        assert torch.equal(alone[0], got[i]), f"row {i} (context {ctx[i]}) differs alone and batched"
+    last = decode_attention(q[seqs - 2 :], kc, vc, slots[seqs - 2 :], lens[seqs - 2 :])
+    assert torch.equal(last, got[seqs - 2 :])
+
+
+def check_experts(device: str, dtype: torch.dtype) -> None:
+    """Each row through its own slot's expert, rows of no slot zero; slot 1 has more rows than a
+    row block. (On a GPU, test_engine runs these kernels through the MoE layer.)"""
+    from components.engine.expert_gemm import BLOCK_M, swiglu_experts
+
+    torch.manual_seed(0)
+    S, H, I = 4, 64, 96
+    wg, wu = (torch.randn(S, I, H, device=device).to(dtype) * 0.1 for _ in range(2))
+    wd = torch.randn(S, H, I, device=device).to(dtype) * 0.1
+    key = torch.tensor([3, 0, S, 3, 1, 2, 0, S] + [1] * (BLOCK_M + 3), device=device)
+    x = torch.randn(len(key), H, device=device).to(dtype)
+    got = swiglu_experts(x, key, wg, wu, wd)
+    assert got.dtype == dtype
+    for i, s in enumerate(key.tolist()):
+        if s == S:
+            assert (got[i] == 0).all()
+            continue
+        h = x[i : i + 1].float()
+        want = (F.silu(h @ wg[s].float().T) * (h @ wu[s].float().T)) @ wd[s].float().T
+        torch.testing.assert_close(got[i : i + 1].float(), want, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nh,nkv,hd,max_len", [(32, 8, 128, 1000), (4, 2, 8, 200)])
+def test_decode_attention_matches_sdpa_and_is_batch_invariant(dtype, nh, nkv, hd, max_len):
+    """Mixtral's heads, and the tiny test model's (head dim 8, below a dot's 16)."""
+    check_decode_attention("cuda", dtype, nh, nkv, hd, max_len)
+
+
+@pytest.mark.gpu
+def test_decode_attention_in_a_cuda_graph_follows_the_lengths_it_reads():
+    """Captured once, replayed after the rows' slots and context lengths changed in place: the
+    loop bound is read on the device, so the replay matches an eager call with the new values."""
+    from components.engine.decode_attention import decode_attention
+
+    torch.manual_seed(0)
+    kc, vc = (torch.randn(5, 300, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(4, 8, 64, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1, 2, 4], device="cuda")
+    lens = torch.tensor([5, 100, 300, 1], device="cuda")
+    out = torch.empty_like(q)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out.copy_(decode_attention(q, kc, vc, slots, lens))  # compiled outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(decode_attention(q, kc, vc, slots, lens))
+    for new_slots, new_lens in (([3, 1, 0, 4], [260, 1, 64, 1]), ([2, 2, 2, 2], [300, 299, 65, 7])):
+        slots.copy_(torch.tensor(new_slots))
+        lens.copy_(torch.tensor(new_lens))
+        g.replay()
+        assert torch.equal(out, decode_attention(q, kc, vc, slots, lens))
+
+
+def _interpreted() -> None:
+    """Run in the subprocess: both kernels interpreted on CPU tensors, fp32 and bf16."""
+    from harness.triton_interpreter import enable
+
+    enable()
+    for dtype in (torch.float32, torch.bfloat16):
+        check_decode_attention("cpu", dtype, nh=4, nkv=2, hd=8, max_len=140)
+        check_experts("cpu", dtype)
+
+
+def test_triton_kernels_under_the_interpreter_on_cpu():
+    """What CI can check of the kernels without a GPU: both, in fp32 and bf16, interpreted."""
+    code = "from tests.test_triton_kernels import _interpreted; _interpreted()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+def test_bench_attention_runs_on_cpu(tmp_path):
+    """The benchmark's CPU smoke run (kernel interpreted): both forms agree on every row."""
+    out = tmp_path / "attention.json"
+    args = ["--device", "cpu", "--max-seqs", "2", "--max-len", "70", "--ctx", "3,70", "--heads", "4", "--kv-heads", "2"]
+    cmd = [sys.executable, "-m", "bench.attention", *args, "--head-dim", "16", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["max_seqs"], row["ctx"]) for row in rows] == [(2, 3), (2, 70)]
+    assert all(row["max_abs_diff"] < 2e-2 for row in rows)
