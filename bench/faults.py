@@ -8,7 +8,9 @@ Rows:
                                   SIGKILL of rank 1 while a scale-up 3 -> 4's joiner warms up
   source rank killed mid pull     SIGKILL of rank 1 while a scale-up 3 -> 4's joiner pulls its
                                   weights from ranks 0-2 (the joiner holds its reads back 1 s,
-                                  injected, so they meet a dead source)
+                                  injected, so they meet a dead source): the scale-up masks rank 1
+                                  out itself, re-pulls its reads from ranks 0 and 2 and ends done
+                                  (recovered: its own failover's commit); a scale-up replaces rank 1
   leaving rank killed             SIGKILL of rank 2 while a scale-down 3 -> 2 drains it
   joiner killed in starting / pull / warmup / connecting / committing
                                   a scale-up 3 -> 4 whose joiner dies on the command sent as the
@@ -108,28 +110,59 @@ def serving_rank(sig: int) -> Callable[[Server, argparse.Namespace], dict]:
     return run
 
 
-def serving_rank_killed_mid_scale_up(command: str, stall_s: float) -> Callable[[Server, argparse.Namespace], dict]:
+def kill_rank_1_mid_scale_up(srv: Server, args, command: str, stall_s: float) -> tuple[set[str], float]:
     """Scale 3 -> 4 whose joiner holds `command` back `stall_s` (injected); SIGKILL rank 1 as the
-    joiner starts to hold it. pull_weights: rank 1 is one of the ranks the joiner reads its
-    weights from; warmup: the joiner warms up alone. The scale-up gives way (aborts), the
-    failover of rank 1 runs, then the scale-up runs again (to 4, replacing rank 1 too: "replaced")."""
+    joiner starts to hold it. Returns the operations before and when rank 1 was killed."""
+    before, pid = op_ids(srv), rank_pid(srv, 1)
+    r = srv.control("POST", "/scale", json={"dp_size": 4, "fault": f"stall_on={command},stall_s={stall_s}"})
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + args.timeout_s
+    while f"injected fault: stalling {command}" not in srv.output:
+        assert time.monotonic() < deadline, srv.tail(60)
+        time.sleep(0.02)
+    t = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return before, t
 
-    def run(srv: Server, args) -> dict:
-        before, pid = op_ids(srv), rank_pid(srv, 1)
-        r = srv.control("POST", "/scale", json={"dp_size": 4, "fault": f"stall_on={command},stall_s={stall_s}"})
-        assert r.status_code == 202, r.text
-        deadline = time.monotonic() + args.timeout_s
-        while f"injected fault: stalling {command}" not in srv.output:
-            assert time.monotonic() < deadline, srv.tail(60)
-            time.sleep(0.02)
-        t = time.time()
-        os.kill(pid, signal.SIGKILL)
-        measured = wait_failover(srv, 1, before, t, args.timeout_s)
-        up = next(op for op in measured["operations"] if op["kind"] == "up")
-        measured["scale_up"] = f"{up['phase']} in {list(up['phases'])[-1]}: {up['error']}"
-        return measured
 
-    return run
+def serving_rank_killed_mid_scale_up(srv: Server, args) -> dict:
+    """Rank 1 killed while a scale-up 3 -> 4's joiner warms up alone (held back 5 s): the
+    scale-up gives way (aborts), the failover of rank 1 runs, then the scale-up runs again (to
+    4, replacing rank 1 too: "replaced")."""
+    before, t = kill_rank_1_mid_scale_up(srv, args, "warmup", 5.0)
+    measured = wait_failover(srv, 1, before, t, args.timeout_s)
+    up = next(op for op in measured["operations"] if op["kind"] == "up")
+    measured["scale_up"] = f"{up['phase']} in {list(up['phases'])[-1]}: {up['error']}"
+    return measured
+
+
+def source_killed_mid_pull(srv: Server, args) -> dict:
+    """Rank 1 killed while a scale-up 3 -> 4's joiner holds back its pull (1 s), rank 1 among the
+    ranks it reads from: the scale-up masks rank 1 out itself ("recovered": that commit) and
+    re-pulls what rank 1 was to send from the survivors, and ends done; a scale-up then replaces
+    rank 1 ("replaced"). Detected: the router's verdict on rank 1."""
+    before, t = kill_rank_1_mid_scale_up(srv, args, "pull_weights", 1.0)
+    deadline = time.monotonic() + args.timeout_s
+    ops = new_ops(srv, before)
+    while time.monotonic() < deadline:
+        ops = new_ops(srv, before)
+        if len(ops) >= 2 and ops[-1]["total_s"] is not None and not srv.topology()["scaling"]:
+            break
+        time.sleep(0.2)
+    else:
+        return {"operations": ops}
+    up, last = ops[0], ops[-1]
+    repulled = sorted({int(r) for loss in up["pull_losses"] for r in loss["repulled_from"]})
+    tensors = sum(len(names) for loss in up["pull_losses"] for names in loss["repulled_from"].values())
+    return {
+        "detected_s": log_time(srv, r"rank 1 failed: ") - t,
+        "recovered_s": up["failover_committed_at"] - t if up["failover_committed_at"] else None,
+        "failover_downtime_ms": up["failover_downtime_s"] * 1e3 if up["failover_downtime_s"] is not None else None,
+        "replaced_s": last["committed_at"] - t if last["kind"] == "up" and last["committed_at"] else None,
+        "scale_up": f"{up['phase']}, masked {up['masked']}, {tensors} tensors re-pulled from ranks "
+        f"{repulled}{': ' + up['error'] if up['error'] else ''}",
+        "operations": ops,
+    }
 
 
 def leaving_rank_killed(srv: Server, args) -> dict:
@@ -300,14 +333,8 @@ FAULTS: dict[
     # row: (injection and measurement, graph options it needs)
     "serving rank killed": (serving_rank(signal.SIGKILL), []),
     "serving rank stalled": (serving_rank(signal.SIGSTOP), []),
-    "serving rank killed mid scale-up": (
-        serving_rank_killed_mid_scale_up("warmup", 5.0),
-        ["--Router.allow_fault_injection=true"],
-    ),
-    "source rank killed mid pull": (
-        serving_rank_killed_mid_scale_up("pull_weights", 1.0),
-        ["--Router.allow_fault_injection=true"],
-    ),
+    "serving rank killed mid scale-up": (serving_rank_killed_mid_scale_up, ["--Router.allow_fault_injection=true"]),
+    "source rank killed mid pull": (source_killed_mid_pull, ["--Router.allow_fault_injection=true"]),
     "leaving rank killed": (leaving_rank_killed, []),
     **{
         f"joiner killed in {row}": (joiner_killed(c), ["--Router.allow_fault_injection=true"])

@@ -44,6 +44,7 @@ from components.protocol.messages import (
     Describe,
     Disconnect,
     Drain,
+    DropSources,
     EndExport,
     Exit,
     ExportWeights,
@@ -97,7 +98,8 @@ FAULT_ENV = "ELASTIC_EP_FAULT"
 
 class Faults(msgspec.Struct, frozen=True):
     """Failures a joiner injects into itself, to test that a scale operation aborts cleanly.
-    Set only by a router whose `allow_fault_injection` is on, through ELASTIC_EP_FAULT:
+    Set only by a router whose `allow_fault_injection` is on (or by a test, in the environment of
+    the ranks a graph starts with), through ELASTIC_EP_FAULT:
     `exit_on=<command tag>`, `corrupt_pull`, `stall_on=<command tag>,stall_s=<seconds>` (the
     command is answered that much later: a window for a fault elsewhere, or a missed deadline)."""
 
@@ -565,10 +567,12 @@ class RankServer:
     )
     async def on_pull_weights(self, msg: PullWeights) -> ControlReply:
         """A joiner pulls all its weights; a serving rank pulls the expert slots a new map changes
-        (migrations, rebalances) and stays as it is."""
+        (migrations, rebalances) and stays as it is. A source lost on the way costs only its
+        items, which the router has read from other holders next: a joiner is loaded once that
+        pull has brought the rest."""
         from components.engine.weight_store import WeightTransferError
 
-        stats = await asyncio.to_thread(self.store.pull, msg.items, msg.sources)
+        stats = await asyncio.to_thread(self.store.pull, msg.items, msg.sources, partial=True)
         if self.faults.corrupt_pull:
             log.error("rank %d: injected fault: corrupting a pulled tensor", self.rank)
             name = msg.items[0].dst_name
@@ -588,8 +592,25 @@ class RankServer:
             stats.gbps,
             sorted(stats.per_source),
         )
-        self.advance(msg, RankState.LOADED, f"weights pulled from ranks {sorted(stats.per_source)}")
+        for loss in stats.lost:
+            log.warning(
+                "[op %s] rank %d: %d tensors not pulled, source rank %d lost: %s",
+                msg.op,
+                self.rank,
+                len(loss.items),
+                loss.src_rank,
+                loss.reason,
+            )
+        if not stats.lost:
+            self.advance(msg, RankState.LOADED, f"weights pulled from ranks {sorted(stats.per_source)}")
         return ControlReply(ok=True, pull=stats, seconds=stats.seconds)
+
+    # Changes nothing but which sources this rank's pulls read from: allowed in any state.
+    @handles(DropSources, ANY_STATE)
+    async def on_drop_sources(self, msg: DropSources) -> None:
+        for agent, why in msg.agents.items():
+            log.warning("[op %s] rank %d: reading no more from %s: %s", msg.op, self.rank, agent, why)
+        self.store.drop_sources(msg.agents)
 
     @handles(
         Warmup,

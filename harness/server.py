@@ -84,9 +84,16 @@ def pids_with_env(marker: str) -> set[int]:
 class Server:
     """The whole graph in a subprocess on free ports, with a private discovery directory."""
 
-    def __init__(self, args: list[str], boot_timeout_s: float = 180, model: str | None = MODEL, wait: bool = True):
+    def __init__(
+        self,
+        args: list[str],
+        boot_timeout_s: float = 180,
+        model: str | None = MODEL,
+        wait: bool = True,
+        env: dict[str, str] | None = None,
+    ):
         """`model`: the served model name to wait for and query; None takes the first served one.
-        `wait`: return once it serves (else call `wait_ready`)."""
+        `wait`: return once it serves (else call `wait_ready`). `env`: set for every component."""
         self.model = model
         self.http_port, self.router_port = free_ports(2)
         self.tmp = Path(tempfile.mkdtemp(prefix="elastic-test-"))
@@ -110,6 +117,7 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=120)
         self.ctl = httpx.Client(base_url=f"http://127.0.0.1:{self.router_port}", timeout=120)

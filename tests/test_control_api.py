@@ -106,6 +106,7 @@ def test_metrics_expose_the_router_state():
         "elastic_router_scaling": [({}, 1.0)],
         "elastic_scale_operations_total": [({"kind": "up", "result": "done"}, 1.0)],
         "elastic_scale_followup_failures_total": [({}, 1.0)],
+        "elastic_scale_masked_ranks_total": [({}, 0.0)],
         "elastic_scale_last_downtime_seconds": [({"op": rec.id}, 0.125)],
         "elastic_scale_last_total_seconds": [({"op": rec.id}, 2.0)],
         "elastic_scale_last_phase_seconds": [

@@ -1,6 +1,8 @@
 """A serving rank that dies or stalls under load: the router finds it within seconds, fences it,
 masks it out (its experts reloaded on the survivors), and asks for a replacement; every accepted
-request completes with the tokens a static deployment gives, and the next scale works."""
+request completes with the tokens a static deployment gives, and the next scale works. A serving
+rank that fails as the source of a pull: a scale-up masks it out itself and re-pulls its reads
+from the survivors; other operations make the pullers drop it at once and give way."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from components.worker import FAULT_ENV
 from harness.server import Server, Traffic, engine_reference, scale
 
 MAX_TOKENS = 24
@@ -62,6 +65,66 @@ def pid_of(srv: Server, rank: int) -> int:
     return pids[0]
 
 
+# First in the module: its own graph runs and stops before the module's shared one starts.
+@pytest.fixture
+def slow_pulls():
+    """Two expert slots per rank (min_ranks 2), so a leaving rank holds experts no other rank
+    does and a scale-down pulls them from it; every rank the graph starts with holds each pull
+    back 2 s (injected through the graph's environment): a window to stall its source in."""
+    srv = Server(
+        ["--Worker.max_ranks=4", "--Worker.dp_size=3", "--Worker.min_ranks=2", "--Planner.enabled=false"],
+        env={FAULT_ENV: "stall_on=pull_weights,stall_s=2"},
+    )
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_a_serving_ranks_pull_drops_its_stalled_source_when_the_router_fails_it(slow_pulls, reference):
+    """A scale-down 3 -> 2: ranks 0 and 1 pull what only leaving rank 2 holds, which stalls
+    (SIGSTOP) as they start: a stalled source never fails a READ, so they would wait for it until
+    their pull's timeout (60 s). Once the router finds rank 2 failed, they are told to drop it and
+    their pulls end, the scale-down gives way, the failover masks rank 2 out. Nothing is lost,
+    every token is right, no wedge."""
+    srv = slow_pulls
+    pid, before = pid_of(srv, 2), operation_ids(srv)
+    with Traffic(srv, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        time.sleep(1.0)
+        r = srv.control("POST", "/scale", json={"dp_size": 2})
+        assert r.status_code == 202, r.text
+        deadline = time.monotonic() + 120
+        while "injected fault: stalling pull_weights" not in srv.output:
+            assert time.monotonic() < deadline, srv.tail(60)
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGSTOP)
+        while True:
+            ops = [op for op in srv.control("GET", "/operations").json() if op["id"] not in before]
+            if len(ops) == 2 and ops[-1]["total_s"] is not None and not srv.topology()["scaling"]:
+                break
+            assert time.monotonic() < deadline + 60, (ops, srv.tail(60))
+            time.sleep(0.2)
+        time.sleep(1.0)
+    down, failover = ops
+    assert (down["kind"], down["phase"]) == ("down", "aborted"), down
+    assert down["error"] == "ScaleError: serving rank 2 failed during migrating: the failover goes first"
+    losses = down["pull_losses"]
+    assert losses and {loss["source"] for loss in losses} == {2} and {loss["rank"] for loss in losses} <= {0, 1}
+    assert all(loss["reason"] == "rank 2 failed: its readers dropped it, and the operation gave way" for loss in losses)
+    assert (failover["kind"], failover["leaving"], failover["phase"]) == ("failover", [2], "done"), failover
+    assert srv.topology()["active"] == [0, 1]
+    # Each puller gave up on rank 2 as it was told, not at its timeout.
+    for loss in losses:
+        said = f"rank {loss['rank']}: {len(loss['items'])} tensors not pulled, source rank 2 lost: rank 2: dropped"
+        while said not in srv.output:
+            assert time.monotonic() < deadline + 120, srv.tail(60)
+            time.sleep(0.2)
+    assert "did not finish within" not in srv.output
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(srv, 3)["phase"] == "done"
+
+
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_failed_serving_rank_is_replaced_under_load_and_nothing_is_lost(server, reference, fault):
     rank = 1
@@ -86,19 +149,19 @@ def test_a_failed_serving_rank_is_replaced_under_load_and_nothing_is_lost(server
     assert scale(server, 3)["phase"] == "done"
 
 
-@pytest.mark.parametrize("command", ["warmup", "pull_weights"])
-def test_a_serving_rank_killed_during_a_scale_up_is_failed_over_first(server, reference, command):
-    """Rank 1 dies while a scale-up 3 -> 4's joiner warms up, or pulls its weights from ranks
-    0-2 (rank 1 among them; the joiner holds its reads back, injected): the scale-up gives way at
-    once (aborted, its joiner gone), the failover masks rank 1 out, and then the scale-up runs
-    again, which also replaces rank 1. Nothing is lost, every token is right, no wedge."""
+def scale_up_with_rank_1_killed(
+    server: Server, command: str, stall_s: float, operations: int
+) -> tuple[list[dict], Traffic]:
+    """Scale 3 -> 4 under load with the joiner holding `command` back `stall_s` (injected), SIGKILL
+    rank 1 as it starts to; returns the operations from there until the deployment is idle again
+    with `operations` of them (or more), and the traffic."""
     assert server.topology()["active"] == [0, 1, 2]
     pid, before = pid_of(server, 1), operation_ids(server)
     stalled = f"injected fault: stalling {command}"
     seen = server.output.count(stalled)
     with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
         time.sleep(1.0)
-        r = server.control("POST", "/scale", json={"dp_size": 4, "fault": f"stall_on={command},stall_s=5"})
+        r = server.control("POST", "/scale", json={"dp_size": 4, "fault": f"stall_on={command},stall_s={stall_s}"})
         assert r.status_code == 202, r.text
         deadline = time.monotonic() + 120
         while server.output.count(stalled) == seen:
@@ -107,17 +170,51 @@ def test_a_serving_rank_killed_during_a_scale_up_is_failed_over_first(server, re
         os.kill(pid, signal.SIGKILL)
         while True:
             ops = [op for op in server.control("GET", "/operations").json() if op["id"] not in before]
-            if len(ops) == 3 and ops[-1]["total_s"] is not None and not server.topology()["scaling"]:
+            finished = ops and ops[-1]["total_s"] is not None and not server.topology()["scaling"]
+            if finished and len(ops) >= operations:
                 break
-            assert time.monotonic() < deadline, (ops, server.tail(60))
+            assert time.monotonic() < deadline + 120, (ops, server.tail(60))
             time.sleep(0.2)
         time.sleep(1.0)
+    return ops, traffic
+
+
+def test_a_serving_rank_killed_during_a_scale_up_is_failed_over_first(server, reference):
+    """Rank 1 dies while a scale-up 3 -> 4's joiner warms up: the scale-up gives way at once
+    (aborted, its joiner gone), the failover masks rank 1 out, and then the scale-up runs again,
+    which also replaces rank 1. Nothing is lost, every token is right, no wedge."""
+    ops, traffic = scale_up_with_rank_1_killed(server, "warmup", 5, operations=3)
     up, failover, again = ops
-    assert (up["kind"], up["phase"], up["to_size"]) == ("up", "aborted", 4), up
+    assert (up["kind"], up["phase"], up["to_size"], up["masked"]) == ("up", "aborted", 4, []), up
     assert "rank 1 " in up["error"], up["error"]
     assert (failover["kind"], failover["leaving"], failover["phase"]) == ("failover", [1], "done"), failover
+    assert failover["masked"] == [1], failover
     assert (again["kind"], again["from_size"], again["to_size"], again["phase"]) == ("up", 2, 4, "done"), again
     assert sorted(again["joiners"]) == [1, 3]
+    assert server.topology()["active"] == [0, 1, 2, 3]
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(server, 3)["phase"] == "done"
+
+
+def test_a_source_killed_mid_pull_is_masked_out_by_the_scale_up_which_repulls_its_reads(server, reference):
+    """Rank 1 dies while a scale-up 3 -> 4's joiner holds its pull back (5 s, injected), rank 1
+    among the ranks it reads from: the joiner is told to drop rank 1, and the same scale-up masks
+    rank 1 out itself (the survivors serve on meanwhile), reads what rank 1 was to send from ranks
+    0 and 2 instead (checksummed like the rest), and ends done with ranks 0, 2 and 3. A scale-up
+    then replaces rank 1. Nothing is lost, every token is right, no wedge."""
+    ops, traffic = scale_up_with_rank_1_killed(server, "pull_weights", 5, operations=2)
+    up, again = ops
+    assert (up["kind"], up["phase"], up["error"], up["joiners"]) == ("up", "done", "", [3]), up
+    assert up["masked"] == [1] and up["failover_committed_at"] is not None, up
+    losses = up["pull_losses"]
+    assert losses and {(loss["rank"], loss["source"]) for loss in losses} == {(3, 1)}, losses
+    for loss in losses:
+        assert "rank 1" in loss["reason"], loss
+        assert {int(r) for r in loss["repulled_from"]} <= {0, 2} and loss["repulled_from"], loss
+        assert sorted(n for names in loss["repulled_from"].values() for n in names) == sorted(loss["items"]), loss
+    assert (again["kind"], again["from_size"], again["to_size"], again["phase"]) == ("up", 3, 4, "done"), again
+    assert again["joiners"] == [1]
     assert server.topology()["active"] == [0, 1, 2, 3]
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
@@ -131,26 +228,9 @@ def test_a_serving_rank_killed_inside_a_commit_is_masked_out_by_the_rollback(ser
     and installs the old set without it (fenced, its experts reloaded on the survivors): no epoch
     after the kill lists rank 1. The scale-up then runs again and also replaces rank 1. Nothing is
     lost, every token is right, no wedge."""
-    assert server.topology()["active"] == [0, 1, 2]
-    pid, before = pid_of(server, 1), operation_ids(server)
-    stalled, timed_out, abandoned = "injected fault: stalling resume", "timed out after", "rank 1 declared gone"
-    seen, seen_timeouts, seen_abandoned = (server.output.count(s) for s in (stalled, timed_out, abandoned))
-    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
-        time.sleep(1.0)
-        r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_on=resume,stall_s=8"})
-        assert r.status_code == 202, r.text
-        deadline = time.monotonic() + 120
-        while server.output.count(stalled) == seen:
-            assert time.monotonic() < deadline, server.tail(60)
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGKILL)
-        while True:
-            ops = [op for op in server.control("GET", "/operations").json() if op["id"] not in before]
-            if len(ops) == 2 and ops[-1]["total_s"] is not None and not server.topology()["scaling"]:
-                break
-            assert time.monotonic() < deadline, (ops, server.tail(60))
-            time.sleep(0.2)
-        time.sleep(1.0)
+    timed_out, abandoned = "timed out after", "rank 1 declared gone"
+    seen_timeouts, seen_abandoned = (server.output.count(s) for s in (timed_out, abandoned))
+    ops, traffic = scale_up_with_rank_1_killed(server, "resume", 8, operations=2)
     up, again = ops
     assert (up["kind"], up["phase"], up["masked"]) == ("up", "rolled_back", [1]), up
     assert "serving rank 1 failed during committing" in up["error"], up["error"]

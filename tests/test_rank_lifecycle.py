@@ -162,6 +162,12 @@ SEQUENCES = {
             m.SetRoutable,
         ],
     ),
+    # Its first pull lost a source (the rest pulled; DropSources may come before or during it):
+    # loaded once the re-pull brought what that source was to send.
+    "joiner whose source failed mid-pull": (
+        S.BOOTING,
+        [m.Describe, m.DropSources, m.PullWeights, (m.PullWeights, S.LOADED), (m.Warmup, S.WARMED)],
+    ),
     # Configured out by the rollback, so its resume leaves it staged.
     "joiner rolled back": (S.STAGED, [m.Pause, m.Configure, m.Pause, m.Configure, m.Resume]),
     "serving rank through a scale-up in mode A, a rebalance and an abort": (
@@ -193,7 +199,7 @@ def test_router_sequences_are_allowed(name):
         state = after
 
 
-@pytest.mark.parametrize("message", [m.Describe, m.ExportWeights, m.EndExport])
+@pytest.mark.parametrize("message", [m.Describe, m.ExportWeights, m.EndExport, m.DropSources])
 def test_describe_and_exports_are_allowed_in_any_state(message):
     assert all(allowed(message, s) for s in RankState)
 

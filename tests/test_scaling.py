@@ -1,19 +1,21 @@
-"""Scale operations without a deployment: the phase table, and the scaler's queue, where the
-latest requested size wins over every one still queued (whole operations run in test_elastic)."""
+"""Scale operations without a deployment: the phase table, the scaler's queue, where the latest
+requested size wins over every one still queued, and what an operation does when a source fails
+mid-pull, against scripted ranks (whole operations run in test_elastic and test_failover)."""
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
 from components.control import scaling
 from components.control.scaling import _FINAL, _NEXT, Phase, Scaler, Tally
+from components.protocol import messages as m
 from components.protocol.config import RouterConfig
-from components.protocol.messages import Configure, ControlReply, Disconnect, LoadExperts, Pause, Resume
-from components.protocol.placement import balanced_placement, changed_slots, shrink
-from components.protocol.topology import Committed, OpRecord, ScaleMode, ScaleRequest
+from components.protocol.lifecycle import RankState
+from components.protocol.placement import Placement, balanced_placement, changed_slots, shrink
+from components.protocol.topology import Committed, OpRecord, PullLoss, ScaleMode, ScaleRequest
+from components.protocol.transfer import PullStats, SourceLoss, TensorDesc, WeightManifest, expert_slot_name
 
 
 def reachable(start: Phase) -> set[Phase]:
@@ -145,7 +147,7 @@ def test_the_latest_target_wins(monkeypatch):
     assert owner.committed.active == [0, 1, 2, 3, 4] and owner.committed.epoch == 3
 
 
-def rec(n: int, phase: str, kind: str = "up", followup_error: str = "") -> OpRecord:
+def rec(n: int, phase: str, kind: str = "up", followup_error: str = "", masked=()) -> OpRecord:
     return OpRecord(
         id=f"op-{n}-{kind}-2to3",
         kind=kind,
@@ -158,36 +160,40 @@ def rec(n: int, phase: str, kind: str = "up", followup_error: str = "") -> OpRec
         phases={},
         started_at=float(n),
         followup_error=followup_error,
+        masked=list(masked),
     )
 
 
 def test_the_journal_gives_a_restarted_router_its_history_and_counters(tmp_path, monkeypatch):
     """The last line of each id wins, a line torn by the kill is skipped, the file keeps only the
     recent history and a tally of the rest; what was in flight is interrupted, with the adoption's
-    outcome, and the next ids follow on. The counters go on from the last router's."""
+    outcome, and the next ids follow on. The counters go on from the last router's, the ranks
+    masked out included."""
     path = tmp_path / "router" / "operations.jsonl"
     path.parent.mkdir()
     journal = scaling.OpJournal(path)
     for n in range(1, 26):
         journal.save(rec(n, "starting"))
-        journal.save(rec(n, "done" if n < 25 else "loading", followup_error="rebalance failed" if n == 3 else ""))
+        failed = "rebalance failed" if n == 3 else ""
+        journal.save(rec(n, "done" if n < 25 else "loading", followup_error=failed, masked=[1] if n in (4, 9) else []))
     with path.open("ab") as f:
         f.write(b'{"id": "op-26-up')  # the kill came mid-write
     monkeypatch.setattr(scaling.Operation, "_ids", scaling.Operation._ids)  # restored after the test
     scaler = Scaler(Owner(), None, None, RouterConfig(), max_ranks=8, journal=scaling.OpJournal(path))
     assert [r.id for r in scaler.history] == [f"op-{n}-up-2to3" for n in range(6, 26)]
     assert [r.phase for r in scaler.history] == ["done"] * 19 + ["loading"]
-    assert scaler.tally == Tally(outcomes={"up": {"done": 24}}, followup_failures=1)
+    assert scaler.tally == Tally(outcomes={"up": {"done": 24}}, followup_failures=1, masked_ranks=2)
     scaler.settle("adopted epoch 4: ranks [0, 1] active, none parked, [2] stopped")
     cut = scaler.history[-1]
     assert cut.phase == "interrupted" and cut.error == (
         "the router running it stopped in loading; the next one adopted epoch 4: ranks [0, 1] active, "
         "none parked, [2] stopped"
     )
-    assert scaler.tally == Tally(outcomes={"up": {"done": 24, "interrupted": 1}}, followup_failures=1)
+    assert scaler.tally == Tally(outcomes={"up": {"done": 24, "interrupted": 1}}, followup_failures=1, masked_ranks=2)
     lines = path.read_text().splitlines()
-    # The 5 operations dropped (one with a failed follow-up) are tallied on the first line.
-    assert len(lines) == 22 and lines[0] == '{"outcomes":{"up":{"done":5}},"followup_failures":1}'
+    # The 5 operations dropped (one with a failed follow-up, one that masked a rank out) are tallied
+    # on the first line.
+    assert len(lines) == 22 and lines[0] == '{"outcomes":{"up":{"done":5}},"followup_failures":1,"masked_ranks":1}'
     records, tally = scaling.OpJournal(path).load()
     assert records[-1] == cut and tally == scaler.tally
     assert next(scaling.Operation._ids) == 26
@@ -216,42 +222,215 @@ def test_the_journal_is_compacted_while_the_router_runs(tmp_path):
     assert tally == Tally(outcomes={"up": {"done": 20, "aborted": 7}, "down": {"done": 10, "aborted": 3}})
 
 
+# ---- failures against scripted ranks: a source lost mid-pull, a rollback without a dead rank ----
+
+DENSE = ["embed", "attn", "norm"]
+S = 2  # slots per rank: 4 experts over ranks 0-2 are 0 3 | 1 0 | 2 1 (expert 2 only on rank 2)
+
+
 class Ranks:
-    """The router's and the capacity provider's side of an operation, recording what it sends;
-    `dead`: serving ranks the router found dead."""
+    """The router (RankPort) and the capacity provider for one operation, over scripted ranks:
+    every command succeeds at once and is recorded; `pull` answers PullWeights; `dead`: serving
+    ranks the router found dead."""
 
-    def __init__(self, ranks, dead=()):
-        self.known, self.dead = set(ranks), set(dead)
-        self.sent: dict[int, list] = {r: [] for r in ranks}
-        self.fenced: list[tuple[int, int]] = []
+    def __init__(self, ranks=(0, 1, 2), pull=None, dead=()):
+        self.statuses = {r: self.describe(r) for r in ranks}
+        self.failing: set[int] = set(dead)
+        self.sent: list[tuple[int, object]] = []
+        self.fenced: list[tuple[int, int]] = []  # (rank, pid)
+        self.refused: dict[int, str] = {}
+        self.checkpoints_parked = False
+        self.pull = pull
 
-    async def send(self, rank, msg):
-        self.sent[rank].append(msg)
-        return ControlReply(ok=True)
+    @staticmethod
+    def describe(r: int) -> m.RankStatus:
+        return m.RankStatus(
+            rank=r,
+            pid=100 + r,
+            instance_id=r,
+            state=RankState.ACTIVE,
+            routable=True,
+            paused=False,
+            epoch=1,
+            steps=0,
+            running=0,
+            waiting=0,
+            requests_total=0,
+            expert_rows=0,
+            metadata=b"",
+            model_identity="m",
+            num_experts=4,
+            num_moe_layers=1,
+            slots_per_rank=S,
+            active=[],
+            connected=[],
+            load=[],
+        )
 
-    def failed(self, rank):
-        return rank in self.dead
+    def manifest(self, r: int, names: list[str] | None) -> WeightManifest:
+        if names is None:
+            names = DENSE + [expert_slot_name(0, s, p) for s in range(S) for p in ("gate", "up", "down")]
+        return WeightManifest(r, f"agent-{r}", b"", "DRAM", 0, [TensorDesc(n, 0, 8, "float32", [2], 0) for n in names])
 
-    def status(self, rank):
-        if rank not in self.known:
-            raise KeyError(rank)
-        return SimpleNamespace(pid=100 + rank)
+    async def send(self, rank: int, msg) -> m.ControlReply:
+        self.sent.append((rank, msg))
+        if isinstance(msg, m.ExportWeights):
+            return m.ControlReply(ok=True, manifest=self.manifest(rank, msg.names))
+        if isinstance(msg, m.PullWeights):
+            return await self.pull(self, rank, msg)
+        return m.ControlReply(ok=True)
 
-    def forget(self, rank):
-        self.known.discard(rank)
+    def messages(self, kind: type = object, rank: int | None = None) -> list:
+        return [msg for r, msg in self.sent if isinstance(msg, kind) and rank in (None, r)]
 
-    def alive(self, rank):
-        return None  # not started by this provider: only the router knows
+    async def discover(self, ranks, provider, timeout) -> None:
+        for r in ranks:
+            self.statuses.setdefault(r, self.describe(r))
 
-    async def fence(self, rank, pid, op):
+    def forget(self, rank: int) -> None:
+        self.statuses.pop(rank, None)
+
+    def status(self, rank: int) -> m.RankStatus:
+        return self.statuses[rank]
+
+    def failed(self, rank: int) -> bool:
+        return rank in self.failing
+
+    async def acquire(self, ranks, op, fault=""):
+        return {r: "cold" for r in ranks}
+
+    def alive(self, rank: int):
+        return None
+
+    async def fence(self, rank: int, pid: int, op: str) -> None:
         self.fenced.append((rank, pid))
+
+    async def release(self, rank: int, op: str, graceful: bool = True) -> None:
+        pass
+
+
+async def dies_mid_pull(ranks: Ranks, rank: int, msg: m.PullWeights) -> m.ControlReply:
+    """The first pull: rank 2 dies as it starts; its reads end once the puller is told (as a
+    stalled source's would), the rest is pulled. Later pulls bring everything."""
+    lost = [it for it in msg.items if it.src_rank == 2]
+    if lost:
+        ranks.failing.add(2)  # the router's verdict
+        while not any("agent-2" in d.agents for d in ranks.messages(m.DropSources, rank)):
+            await asyncio.sleep(0.01)
+    done = len(msg.items) - len(lost)
+    gone = [SourceLoss(2, "rank 2: dropped mid-pull: rank 2 failed", lost)] if lost else []
+    return m.ControlReply(ok=True, pull=PullStats(tensors=done, bytes=8 * done, seconds=0.1, per_source={}, lost=gone))
+
+
+def run(kind: str, pull) -> tuple[scaling.Operation, Ranks]:
+    ranks = Ranks(pull=pull)
+    current = balanced_placement(1, 4, 4, S, [0, 1, 2])
+    op = scaling.Operation(
+        ScaleRequest(dp_size=4 if kind == "up" else 2),
+        Committed(epoch=1, active=[0, 1, 2], placement=current),
+        [],
+        ranks,
+        ranks,
+        RouterConfig(rebalance=False),
+        max_ranks=4,
+        num_experts=4,
+    )
+    asyncio.run(op.execute(lambda: []))
+    return op, ranks
+
+
+def test_a_scale_up_masks_a_source_that_failed_mid_pull_out_and_repulls_its_reads():
+    """Joiner 3 reads the dense weights spread over ranks 0-2 and expert 1 from rank 2, which
+    dies mid-pull: the joiner is told to drop it, the scale-up masks rank 2 out itself (expert 2,
+    which only rank 2 held, reloaded into rank 1's duplicate slot; the joiner, still loading,
+    takes no part), re-pulls exactly what rank 2 was to send from ranks 0 and 1, and commits
+    ranks 0, 1 and 3."""
+    op, ranks = run("up", dies_mid_pull)
+    assert (op.record.phase, op.record.error, op.record.masked) == ("done", "", [2]), op.record
+    assert ranks.fenced == [(2, 102)] and op.topology.active == [0, 1, 3]
+    first, again = ranks.messages(m.PullWeights, 3)
+    lost = [it.dst_name for it in first.items if it.src_rank == 2]
+    assert sorted(lost) == ["experts.0.1.down", "experts.0.1.gate", "experts.0.1.up", "norm"]
+    assert [it.dst_name for it in again.items] == lost and {it.src_rank for it in again.items} <= {0, 1}
+    # Expert 1 from the replica left on rank 1 (slot 2, its local slot 0), both survivors serving reads.
+    assert {it.src_name for it in again.items if it.src_name.startswith("experts.")} == {
+        expert_slot_name(0, 0, p) for p in ("gate", "up", "down")
+    }
+    assert set(again.sources) == {it.src_rank for it in again.items}
+    assert op.record.pull_losses == [
+        PullLoss(3, 2, "rank 2: dropped mid-pull: rank 2 failed", lost, scaling.by_source(again.items))
+    ]
+    assert [d.agents for d in ranks.messages(m.DropSources)] == [
+        {"agent-2": "rank 2 failed (found dead or stalled by the router)"}
+    ]
+    # The failover inside: survivors only, expert 2 reloaded, then the commit of the three.
+    assert ranks.messages(m.Pause, 0)[0].gone == [2]
+    assert [x.placement.experts_on(1, 0) for x in ranks.messages(m.LoadExperts, 1)] == [[1, 2]]
+    assert [c.active for c in ranks.messages(m.Configure, 0)] == [[0, 1], [0, 1, 3]]
+    assert [c.active for c in ranks.messages(m.Configure, 3)] == [[0, 1, 3]]
+    assert op.record.failover_downtime_s is not None and op.record.failover_committed_at is not None
+    assert list(op.record.phases) == ["starting", "loading", "masking", "warming", "connecting", "committing"]
+
+
+def test_a_scale_down_tells_the_pullers_first_then_gives_way():
+    """Rank 1 pulls expert 2 from leaving rank 2, which fails mid-pull: rank 1 is told to drop it
+    (its pull ends now, not at its timeout), the record says which reads were cut, and the
+    operation gives way to the failover."""
+    op, ranks = run("down", dies_mid_pull)
+    assert op.record.phase == "aborted" and op.preempted, op.record
+    assert op.record.error == "ScaleError: serving rank 2 failed during migrating: the failover goes first"
+    cut = [expert_slot_name(0, 1, p) for p in ("gate", "up", "down")]
+    assert op.record.pull_losses == [
+        PullLoss(1, 2, "rank 2 failed: its readers dropped it, and the operation gave way", cut)
+    ]
+    assert [(r, d.agents) for r, d in ranks.sent if isinstance(d, m.DropSources)] == [
+        (1, {"agent-2": "rank 2 failed (found dead or stalled by the router)"})
+    ]
+
+
+def test_a_lost_source_without_another_holder_fails_the_operation_naming_both():
+    """Rank 2 fails its READs but the router never fails it (alive): what it held alone has no
+    other live holder, and the scale-up aborts naming the items and the source."""
+
+    async def errs(ranks: Ranks, rank: int, msg: m.PullWeights) -> m.ControlReply:
+        lost = [it for it in msg.items if it.src_rank == 2]
+        gone = [SourceLoss(2, "rank 2: READ of norm failed (source gone?)", lost)] if lost else []
+        return m.ControlReply(ok=True, pull=PullStats(tensors=0, bytes=0, seconds=0.1, per_source={}, lost=gone))
+
+    ranks = Ranks(pull=errs)
+    current = balanced_placement(1, 4, 4, S, [0, 1, 2])
+    # Expert 2 only on rank 2, and the joiner's first slot (its experts.0.0.*) wants it.
+    target = Placement(S, [current.slots[0][:6] + [2, 1]])
+    op = scaling.Operation(
+        ScaleRequest(dp_size=4),
+        Committed(epoch=1, active=[0, 1, 2], placement=current),
+        [],
+        ranks,
+        ranks,
+        RouterConfig(rebalance=False, rank_timeout_s=0.1, status_interval_s=0.05),
+        max_ranks=4,
+        num_experts=4,
+    )
+
+    async def loading():
+        op.transition(Phase.STARTING)
+        op.transition(Phase.LOADING)
+        await ranks.discover([3], None, 0)
+        await op.pull_experts(current, target, [0, 1, 2], dense_to=[3])
+
+    with pytest.raises(scaling.ScaleError) as ei:
+        asyncio.run(loading())
+    assert str(ei.value) == (
+        "rank 3 lost source rank 2 mid-pull (rank 2: READ of norm failed (source gone?)) and no live rank holds "
+        "experts.0.0.gate, experts.0.0.up, experts.0.0.down (of ranks [0, 1])"
+    ), ei.value
 
 
 def rolled_back(dead):
     """A scale-up 3 -> 4 whose commit of epoch 6 failed, rolled back at epoch 7 with `dead` found
     dead: the rollback's messages to each rank, the operation, and the placement before."""
     placement = balanced_placement(2, 8, 4, 4, [0, 1, 2])
-    ranks = Ranks([0, 1, 2, 3], dead)
+    ranks = Ranks([0, 1, 2, 3], dead=dead)
     op = scaling.Operation(
         ScaleRequest(dp_size=4), Committed(epoch=5, active=[0, 1, 2], placement=placement), [], ranks, ranks,
         RouterConfig(), max_ranks=4, num_experts=8,
@@ -266,20 +445,24 @@ def test_a_rollback_masks_out_a_serving_rank_found_dead_as_a_failover_would():
     ranks, op, before = rolled_back(dead=[1])
     target = shrink(before, [1], 8)
     assert op.topology == Committed(epoch=7, active=[0, 2], placement=target) and op.record.masked == [1]
-    assert ranks.fenced == [(1, 101)] and 1 not in ranks.known and ranks.sent[1] == []
+    assert ranks.fenced == [(1, 101)] and 1 not in ranks.statuses and ranks.messages(rank=1) == []
     reload = {slot // 4 for _, slot in changed_slots(before, target)}
     assert reload and reload <= {0, 2}
     for r in (0, 2):
         expected = [
-            Pause(gone=[1]),
-            *([LoadExperts(placement=target, since=before)] if r in reload else []),
-            Configure(epoch=7, active=[0, 2], placement=target),
-            Resume(),
-            Disconnect(ranks=[1]),
+            m.Pause(gone=[1]),
+            *([m.LoadExperts(placement=target, since=before)] if r in reload else []),
+            m.Configure(epoch=7, active=[0, 2], placement=target),
+            m.Resume(),
+            m.Disconnect(ranks=[1]),
         ]
-        assert ranks.sent[r] == expected, r
+        assert ranks.messages(rank=r) == expected, r
     # The joiner is configured out.
-    assert ranks.sent[3] == [Pause(gone=[1]), Configure(epoch=7, active=[], placement=target), Resume()]
+    assert ranks.messages(rank=3) == [
+        m.Pause(gone=[1]),
+        m.Configure(epoch=7, active=[], placement=target),
+        m.Resume(),
+    ]
 
 
 def test_a_rollback_with_every_rank_alive_goes_back_to_the_old_set():
@@ -288,45 +471,62 @@ def test_a_rollback_with_every_rank_alive_goes_back_to_the_old_set():
     assert ranks.fenced == []
     for r in (0, 1, 2, 3):
         active = [0, 1, 2] if r < 3 else []
-        assert ranks.sent[r] == [Pause(), Configure(epoch=7, active=active, placement=before), Resume()], r
+        assert ranks.messages(rank=r) == [
+            m.Pause(),
+            m.Configure(epoch=7, active=active, placement=before),
+            m.Resume(),
+        ], r
 
 
-def test_ranks_a_rollback_masked_out_are_replaced(monkeypatch):
-    """A rolled-back operation that masked a dead rank out leaves the deployment a rank short: the
-    scaler asks for the size before it, as after a failover."""
+@pytest.mark.parametrize(
+    "end, then",
+    [
+        # Rolled back without rank 1: the size before, as after a failover.
+        ("rolled_back", ([0, 2], 3)),
+        # Done less rank 1 (a source lost mid-pull, masked out in a failover of its own): the target again.
+        ("done", ([0, 2, 3], 4)),
+    ],
+)
+def test_ranks_an_operation_masked_out_are_replaced(monkeypatch, end, then):
+    """A scale-up 3 -> 4 that masked out rank 1, which the router found dead meanwhile, leaves the
+    deployment a rank short: the scaler replaces it (no failover runs for it), and counts it."""
     started: list[tuple[list[int], int]] = []
+    scalers: list[Scaler] = []
 
     class Op:
         preempted = False
 
         def __init__(self, req, topology, *rest, **kw):
-            self.req, self.topology = req, topology
+            self.req, self.topology, self.id = req, topology, f"to-{req.dp_size}"
             self.record = OpRecord(
-                id=f"to-{req.dp_size}", kind="up", mode=req.mode, from_size=len(topology.active),
+                id=self.id, kind="up", mode=req.mode, from_size=len(topology.active),
                 to_size=req.dp_size, phase="queued", joiners=[], leaving=[], phases={},
             )  # fmt: skip
 
         async def execute(self, load_now):
             started.append((self.topology.active, self.req.dp_size))
-            if len(started) == 1:  # rank 1 died in the commit
-                self.record.phase, self.record.masked = "rolled_back", [1]
-                return Committed(epoch=self.topology.epoch + 1, active=[0, 2], placement=None)
+            if len(started) == 1:  # rank 1 died in the commit, or as a source mid-pull
+                scalers[0].fail([1])
+                self.record.phase, self.record.masked = end, [1]
+                return Committed(epoch=2, active=then[0], placement=None)
             self.record.phase = "done"
-            return Committed(epoch=self.topology.epoch + 1, active=[0, 1, 2], placement=None)
+            return Committed(epoch=3, active=sorted([*self.topology.active, 1]), placement=None)
 
     monkeypatch.setattr(scaling, "Operation", Op)
 
     async def run():
         owner, ready = Owner(), asyncio.Event()
         owner.committed = Committed(epoch=1, active=[0, 1, 2], placement=None)
-        scaler = Scaler(owner, None, None, RouterConfig(), max_ranks=4)
-        task = asyncio.create_task(scaler.run(ready))
+        scalers.append(Scaler(owner, None, None, RouterConfig(), max_ranks=4))
+        task = asyncio.create_task(scalers[0].run(ready))
         ready.set()
-        scaler.request(ScaleRequest(dp_size=4))
-        last = await scaler.wait_idle()
+        scalers[0].request(ScaleRequest(dp_size=4))
+        last = await scalers[0].wait_idle()
         task.cancel()
         return owner, last
 
     owner, last = asyncio.run(run())
-    assert started == [([0, 1, 2], 4), ([0, 2], 3)]
-    assert owner.committed.active == [0, 1, 2] and last.phase == "done"
+    assert started == [([0, 1, 2], 4), then]
+    assert owner.committed.active == sorted([*then[0], 1]) and last.phase == "done"
+    outcomes = {"done": 2} if end == "done" else {end: 1, "done": 1}
+    assert scalers[0].tally == Tally(outcomes={"up": outcomes}, masked_ranks=1) and not scalers[0].failing

@@ -8,6 +8,7 @@ byte-for-byte against the same function.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import torch
 
 from components.engine.checksum import checksum, checksums
 from components.engine.weight_store import WeightStore, WeightTransferError
-from components.protocol.transfer import PullItem, spread
+from components.protocol.placement import Placement
+from components.protocol.transfer import PullItem, SourceLoss, replan, spread
 from harness.weight_peer import N_SLOTS, NON_EXPERT, Sources, fresh_like, make_weights
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,10 +198,12 @@ def test_dead_source_raises(src, expected):
         print(f"\ndead source reported after {dt:.3f}s: {ei.value}")
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
+@pytest.mark.parametrize("how", ["kill", "stop", "stop, then kill"])
 def test_source_vanishes_between_pulls(tmp_path, expected, how):
-    """A source that served once, then dies (UCX sees the disconnect) or freezes (SIGSTOP: only the
-    timeout can tell). Its agent is already loaded, so this is the path through the xfer states."""
+    """A source that served once, then dies (UCX sees the disconnect), freezes (SIGSTOP: only the
+    timeout can tell), or freezes and is killed while our READs wait on it (NIXL raises the
+    disconnect from the state poll). Its agent is already loaded, so this is the path through
+    the xfer states."""
     s = Sources(tmp_path)
     s.spawn(4)
     try:
@@ -211,6 +215,9 @@ def test_source_vanishes_between_pulls(tmp_path, expected, how):
                 s.procs[4].kill()
                 s.procs[4].wait()
             else:
+                if how == "stop, then kill":
+                    local.pull([PullItem(4, "embed", "embed")], m, timeout_s=30)
+                    threading.Timer(0.5, s.procs[4].kill).start()
                 s.procs[4].send_signal(signal.SIGSTOP)
             timeout = 2.0
             t0 = time.monotonic()
@@ -220,7 +227,43 @@ def test_source_vanishes_between_pulls(tmp_path, expected, how):
             assert dt < timeout + 2.0, dt
             if how == "stop":
                 assert "did not finish" in str(ei.value), ei.value
+            if how == "stop, then kill":
+                assert "READ of norm, attn.qkv failed: NIXL_ERR_REMOTE_DISCONNECT" in str(ei.value), ei.value
             print(f"\n{how}: reported after {dt:.3f}s: {ei.value}")
+    finally:
+        s.stop()
+
+
+def test_a_dropped_source_costs_only_its_items(tmp_path, expected):
+    """Source 5 freezes (SIGSTOP) with our READs from it posted: they never fail, only the pull's
+    timeout would tell. The router's word (drop_sources, from another thread, as the worker's
+    control handler calls it) ends them at once; with `partial` the other source's items are
+    pulled and verified and source 5's come back as lost, and a later pull does not start to
+    read from it. Without `partial` the pull fails naming it."""
+    s = Sources(tmp_path)
+    s.spawn(4)
+    s.spawn(5)
+    try:
+        m = {r: s.manifest(r) for r in (4, 5)}
+        w = make_weights(4)
+        with WeightStore(8, fresh_like(w)) as local:
+            local.pull([PullItem(5, "embed", "embed")], m, timeout_s=30)  # connected: READs to it get posted
+            s.procs[5].send_signal(signal.SIGSTOP)
+            items = [PullItem(4, "norm", "norm"), PullItem(5, "attn.qkv", "attn.qkv"), PullItem(5, "odd", "odd")]
+            threading.Timer(0.5, local.drop_sources, [{m[5].agent: "rank 5 failed (the test says)"}]).start()
+            stats = local.pull(items, m, timeout_s=120, partial=True)
+            assert stats.lost == [SourceLoss(5, "rank 5: dropped mid-pull: rank 5 failed (the test says)", items[1:])]
+            assert (stats.tensors, set(stats.per_source)) == (1, {4}) and stats.bytes == m[4].tensors[1].nbytes
+            assert _same(local.tensors["norm"], w["norm"])
+
+            later = [PullItem(4, "half3", "half3"), PullItem(5, "odd", "odd")]
+            stats = local.pull(later, m, timeout_s=120, partial=True)
+            assert [(g.src_rank, g.reason) for g in stats.lost] == [
+                (5, "rank 5: dropped before the pull: rank 5 failed (the test says)")
+            ]
+            assert _same(local.tensors["half3"], w["half3"])
+            with pytest.raises(WeightTransferError, match=r"^pull into rank 8 failed: rank 5: dropped before the pull"):
+                local.pull([PullItem(5, "odd", "odd")], m, timeout_s=120)
     finally:
         s.stop()
 
@@ -269,6 +312,42 @@ def test_spread_balances_by_size():
     assert {i.src_rank for i in spread(names, [0, 1, 2])} == {0, 1, 2}
     with pytest.raises(ValueError):
         spread(names, [])
+
+
+def test_replan_reads_what_a_lost_source_held_from_the_other_holders():
+    # 2 slots per rank; rank 1 is lost. Expert 2 is on ranks 0 and 2, expert 3 only on rank 1.
+    planned = Placement(2, [[0, 2, 3, 1, 2, 0]])
+    lost = [
+        PullItem(1, "embed", "embed"),
+        PullItem(1, "norm", "norm"),
+        PullItem(1, "experts.0.1.gate", "experts.0.6.gate"),  # expert 1, into the joiner's slot 6
+        PullItem(1, "experts.0.1.up", "experts.0.6.up"),
+        PullItem(1, "experts.0.0.gate", "experts.0.7.gate"),  # expert 3
+    ]
+    # After the failover: expert 3 was reloaded into rank 0's duplicate slot 1, expert 1 into rank 2's slot 5.
+    where = Placement(2, [[0, 3, -1, -1, 2, 1]])
+    got = replan(lost, planned, where, [0, 2], dst=3, sizes={"embed": 100, "norm": 10})
+    assert got == [
+        PullItem(0, "embed", "embed"),
+        PullItem(2, "norm", "norm"),
+        PullItem(2, "experts.0.1.gate", "experts.0.6.gate"),  # both parts of one slot from one replica
+        PullItem(2, "experts.0.1.up", "experts.0.6.up"),
+        PullItem(0, "experts.0.1.gate", "experts.0.7.gate"),
+    ]
+    # A serving rank reads another rank's replica before its own, and its own when it is the only one.
+    own = Placement(2, [[3, -1, 1, 0, -1, -1]])  # rank 0's slot 1 is being filled
+    item = [PullItem(2, "experts.0.0.down", "experts.0.1.down")]
+    assert replan(item, Placement(2, [[3, -1, 1, 0, 1, -1]]), own, [0, 1], dst=0) == [
+        PullItem(1, "experts.0.0.down", "experts.0.1.down")
+    ]
+    assert replan(item, Placement(2, [[3, -1, 1, 0, 3, -1]]), own, [0, 1], dst=0) == [
+        PullItem(0, "experts.0.0.down", "experts.0.1.down")
+    ]
+    # No live holder: every orphan named.
+    with pytest.raises(ValueError, match=r"^no live rank holds experts\.0\.7\.gate \(of ranks \[0, 2\]\)$"):
+        replan(lost[4:], planned, Placement(2, [[0, 2, -1, -1, 2, 1]]), [0, 2], dst=3)
+    with pytest.raises(ValueError, match=r"^no live rank holds embed, norm, experts\.0\.6\.gate and 2 more \(of"):
+        replan(lost, planned, where, [3], dst=3)
 
 
 def test_store_validates_tensors():

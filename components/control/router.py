@@ -441,6 +441,11 @@ class RouterService:
             "Operations whose commit held but whose follow-up (rebalance or cleanup) failed.",
             value=tally.followup_failures,
         )
+        yield CounterMetricFamily(
+            "elastic_scale_masked_ranks_total",
+            "Failed serving ranks masked out: by a failover, a rollback, or a scale-up whose pull source failed.",
+            value=tally.masked_ranks,
+        )
         if last is not None:
             for name, help_, v in (
                 (

@@ -38,6 +38,7 @@ from components.protocol.messages import (
     ControlReply,
     Disconnect,
     Drain,
+    DropSources,
     EndExport,
     Exit,
     ExportWeights,
@@ -52,8 +53,16 @@ from components.protocol.messages import (
     Warmup,
 )
 from components.protocol.placement import Placement, changed_slots, grow, interim, rebalance, shrink
-from components.protocol.topology import Committed, OpRecord, ScaleMode, ScaleRequest
-from components.protocol.transfer import expert_pulls, spread
+from components.protocol.topology import Committed, OpRecord, PullLoss, ScaleMode, ScaleRequest
+from components.protocol.transfer import (
+    EXPERT_PARTS,
+    PullItem,
+    SourceLoss,
+    expert_pulls,
+    expert_slot_name,
+    replan,
+    spread,
+)
 
 log = logging.getLogger("components.control.scaling")
 
@@ -78,10 +87,10 @@ class Phase(enum.Enum):
 
 _NEXT = {
     Phase.QUEUED: {Phase.PAUSING, Phase.STARTING, Phase.DRAINING, Phase.MASKING},
-    Phase.MASKING: {Phase.COMMITTING},
+    Phase.MASKING: {Phase.COMMITTING, Phase.LOADING},
     Phase.PAUSING: {Phase.STARTING, Phase.DRAINING},
     Phase.STARTING: {Phase.LOADING},
-    Phase.LOADING: {Phase.WARMING, Phase.CONNECTING},
+    Phase.LOADING: {Phase.WARMING, Phase.CONNECTING, Phase.MASKING},  # a source failed mid-pull
     Phase.WARMING: {Phase.CONNECTING},
     Phase.CONNECTING: {Phase.COMMITTING},
     Phase.DRAINING: {Phase.MIGRATING},
@@ -201,24 +210,21 @@ class Operation:
         self.on_change(self.record)
 
     # ---- helpers -----------------------------------------------------------------------------
-    async def call(self, ranks, make: Callable[[int], object], timeout: float | None = None) -> list[ControlReply]:
-        """Send a command to several ranks at once; fail fast when a rank's process dies, or a
-        serving rank fails (the source of a pull among them)."""
+    async def call(
+        self, ranks, make: Callable[[int], object], timeout: float | None = None, preempt: bool = True
+    ) -> list[ControlReply]:
+        """Send a command to several ranks at once; fail fast when a rank's process dies, or (with
+        `preempt`) a serving rank fails, unless this operation absorbs that."""
         timeout = timeout or self.cfg.prepare_timeout_s
 
         async def one(r):
             task = asyncio.ensure_future(self.port.send(r, make(r)))
             deadline = time.monotonic() + timeout
             while not task.done():
-                failing = [] if self.undoing else self.failing_serving()
+                failing = self.failing_serving() if preempt and not (self.undoing or self.absorbs) else []
                 if failing:
-                    # The group stopped serving (its collectives wait for the failed rank): the
-                    # failover must not wait for this operation.
                     task.cancel()
-                    self.preempted = True
-                    raise ScaleError(
-                        f"serving rank {failing[0]} failed during {self.phase.value}: the failover goes first"
-                    )
+                    raise self.give_way(failing)
                 if self.provider.alive(r) is False or self.port.failed(r):
                     task.cancel()
                     raise ScaleError(f"rank {r} died during {self.phase.value}")
@@ -230,57 +236,239 @@ class Operation:
 
         return await asyncio.gather(*(one(r) for r in ranks))
 
+    @property
+    def absorbs(self) -> bool:
+        """A serving rank that fails while this scale-up's joiners pull their weights (one of
+        their sources, likely) is masked out by the operation itself, which then reads what that
+        rank was to send from the survivors and goes on, rather than giving way to a failover."""
+        return self.record.kind == "up" and self.phase in (Phase.LOADING, Phase.MASKING)
+
+    def give_way(self, failing: list[int]) -> ScaleError:
+        """The group stopped serving (its collectives wait for the failed rank): the failover must
+        not wait for this operation."""
+        self.preempted = True
+        return ScaleError(f"serving rank {failing[0]} failed during {self.phase.value}: the failover goes first")
+
     async def pull_experts(self, current: Placement, target: Placement, sources: list[int], dense_to=()) -> None:
         """Fill every slot `target` changes (and all dense weights of `dense_to`) from `sources`,
-        where `current` says the experts are."""
+        where `current` says the experts are. What a source lost mid-pull was to send is read
+        from other live holders (`replan`) in another round, until every item is in; a serving
+        rank the router fails meanwhile is masked out first where this operation absorbs that
+        (else it gives way to the failover)."""
         try:
             items = expert_pulls(current, target, sources)
         except ValueError as e:
             raise ScaleError(str(e)) from None
-        manifests = {}
+        manifests, sizes = {}, None
         if dense_to:
             # One full manifest names the dense weights and serves as that source's manifest.
-            probe = (await self.call([sources[0]], lambda r: ExportWeights(names=None)))[0].manifest
-            manifests[sources[0]] = probe
+            first = next((r for r in sources if not self.port.failed(r)), sources[0])
+            probe = (await self.call([first], lambda r: ExportWeights(names=None)))[0].manifest
+            manifests[first] = probe
             sizes = {t.name: t.nbytes for t in probe.tensors if not t.name.startswith("experts.")}
             for dst in dense_to:
                 items.setdefault(dst, []).extend(spread(list(sizes), list(sources), sizes))
-        if not items:
-            return
-        # A rank copying from its own slots needs no manifest from itself.
+        where, live = current, list(sources)
+        while items:
+            epoch = self.topology.epoch
+            lost = await self.pull_round(items, manifests)
+            gone = sorted({loss.src_rank for losses in lost.values() for loss in losses})
+            await self.verdict(gone)
+            failing = self.failing_serving()
+            if failing and not self.absorbs:
+                raise self.give_way(failing)
+            if failing:
+                await self.absorb(failing)
+            if not lost:
+                return
+            planned = where
+            if self.topology.epoch != epoch:  # masked out meanwhile: the survivors hold every expert
+                where = self.topology.placement
+            live = [r for r in live if r not in gone and r not in self.failed]
+            items, manifests = {}, {}
+            for dst, losses in sorted(lost.items()):
+                for loss in losses:
+                    try:
+                        again = replan(loss.items, planned, where, live, dst, sizes)
+                    except ValueError as e:
+                        raise ScaleError(
+                            f"rank {dst} lost source rank {loss.src_rank} mid-pull ({loss.reason}) and {e}"
+                        ) from None
+                    items.setdefault(dst, []).extend(again)
+                    came = by_source(again)
+                    self.record.pull_losses.append(
+                        PullLoss(dst, loss.src_rank, loss.reason, [it.dst_name for it in loss.items], came)
+                    )
+                    log.warning(
+                        "[op %s] rank %d lost source rank %d mid-pull (%s): its %d tensors are re-pulled from ranks %s",
+                        self.id,
+                        dst,
+                        loss.src_rank,
+                        loss.reason,
+                        len(again),
+                        sorted(came),
+                    )
+
+    async def pull_round(self, items: dict[int, list[PullItem]], manifests) -> dict[int, list[SourceLoss]]:
+        """Pull `items` (puller -> its items), with the `manifests` of some sources in hand and the
+        others' asked for; returns what each puller lost. Every exporter serves reads until every
+        puller has answered. The pullers reading from a source the router finds failed meanwhile
+        drop it at once (on a stalled one they would wait until their timeout); where this
+        operation absorbs the failure, it masks the failed ranks out meanwhile."""
         need: dict[int, set[str]] = {}
         for dst, its in items.items():
             for it in its:
-                if it.src_rank != dst:
+                if it.src_rank != dst:  # a rank copying from its own slots needs no manifest from itself
                     need.setdefault(it.src_rank, set()).add(it.src_name)
-        ask = sorted(r for r in need if r not in manifests)
-        replies = await self.call(ask, lambda r: ExportWeights(names=sorted(need[r])))
-        manifests.update({r: rep.manifest for r, rep in zip(ask, replies)})
-
-        def pull(r: int) -> PullWeights:
-            remote = {it.src_rank for it in items[r]} - {r}
-            return PullWeights(sources={s: manifests[s] for s in remote}, items=items[r], op=self.id)
-
+        exporters = sorted(set(need) | set(manifests))
+        lost: dict[int, list[SourceLoss]] = {}
+        tasks: dict[int, asyncio.Future] = {}
+        masking: asyncio.Future | None = None
         try:
-            done = await self.call(sorted(items), pull)
-        finally:
-            # Every exporter stops serving reads, also when a pull failed: no transfer stays running.
-            exporters = set(need) | set(manifests)
-            await asyncio.gather(
-                *(self.call([r], lambda r: EndExport()) for r in sorted(exporters)), return_exceptions=True
+            ask = sorted(r for r in need if r not in manifests)
+            replies = await asyncio.gather(
+                *(self.call([r], lambda r: ExportWeights(names=sorted(need[r]))) for r in ask),
+                return_exceptions=True,
             )
-        self.record.pull_bytes += sum(rep.pull.bytes for rep in done)
+            for r, rep in zip(ask, replies):
+                if not isinstance(rep, Exception):
+                    manifests[r] = rep[0].manifest
+                    continue
+                if not self.absorbs:
+                    raise rep
+                # An exporter that failed: what it was to send is lost before the pull.
+                for dst, its in items.items():
+                    cut = [it for it in its if it.src_rank == r]
+                    if cut:
+                        lost.setdefault(dst, []).append(SourceLoss(r, f"rank {r}: its export failed: {rep}", cut))
+            todo = {
+                dst: kept
+                for dst, its in items.items()
+                if (kept := [it for it in its if it.src_rank == dst or it.src_rank in manifests])
+            }
+
+            def pull(r: int) -> PullWeights:
+                remote = {it.src_rank for it in todo[r]} - {r}
+                return PullWeights(sources={s: manifests[s] for s in remote}, items=todo[r], op=self.id)
+
+            # Failed serving ranks are watched here, not in call(): the pullers hear of them first.
+            tasks = {r: asyncio.ensure_future(self.call([r], pull, preempt=False)) for r in sorted(todo)}
+            told: set[int] = set()  # failed sources the pullers were told to drop
+            cut: dict[int, list[int]] = {}  # puller -> the failed sources it was told to drop
+            while not all(t.done() for t in tasks.values()):
+                dead = [s for s in manifests if s not in told and (s in self.failed or self.port.failed(s))]
+                if dead:
+                    told.update(dead)
+                    for dst, srcs in (await self.drop(dead, todo, manifests, tasks)).items():
+                        cut.setdefault(dst, []).extend(srcs)
+                failing = [] if self.undoing else self.failing_serving()
+                if failing and not self.absorbs:
+                    for dst, srcs in sorted(cut.items()):
+                        for s in srcs:
+                            why = f"rank {s} failed: its readers dropped it, and the operation gave way"
+                            cut_items = [it.dst_name for it in todo[dst] if it.src_rank == s]
+                            self.record.pull_losses.append(PullLoss(dst, s, why, cut_items))
+                    raise self.give_way(failing)
+                if failing and masking is None and self.can_mask(failing, todo, tasks, told):
+                    masking = asyncio.ensure_future(self.absorb(failing))
+                await asyncio.wait([t for t in tasks.values() if not t.done()], timeout=0.05)
+                for t in tasks.values():
+                    if t.done() and t.exception() is not None:
+                        raise t.exception()
+            for r, t in tasks.items():
+                stats = t.result()[0].pull
+                self.record.pull_bytes += stats.bytes
+                if stats.lost:
+                    lost.setdefault(r, []).extend(stats.lost)
+        finally:
+            for t in tasks.values():
+                t.cancel()
+            if masking is not None:
+                await masking
+            # Every exporter stops serving reads, also when a pull failed: no transfer stays running.
+            await asyncio.gather(
+                *(self.call([r], lambda r: EndExport()) for r in exporters if self._known(r) and r not in self.failed),
+                return_exceptions=True,
+            )
+        return lost
+
+    async def drop(self, dead: list[int], todo: dict[int, list[PullItem]], manifests, tasks) -> dict[int, list[int]]:
+        """Tell the ranks still pulling from these failed sources to read no more from them;
+        returns whom it told to drop which."""
+        readers = {
+            dst: [s for s in dead if any(it.src_rank == s for it in its)]
+            for dst, its in todo.items()
+            if not tasks[dst].done()
+        }
+        readers = {dst: srcs for dst, srcs in readers.items() if srcs}
+        if not readers:
+            return {}
+        log.warning("[op %s] ranks %s failed: ranks %s read no more from them", self.id, dead, sorted(readers))
+        why = {s: f"rank {s} failed (found dead or stalled by the router)" for s in dead}
+        results = await asyncio.gather(
+            *(
+                self.call(
+                    [dst],
+                    lambda r: DropSources(agents={manifests[s].agent: why[s] for s in readers[r]}, op=self.id),
+                    self.cfg.commit_timeout_s,
+                    preempt=False,
+                )
+                for dst in readers
+            ),
+            return_exceptions=True,
+        )
+        for dst, res in zip(readers, results):
+            if isinstance(res, Exception):  # its pull then ends by NIXL's error or its own timeout
+                log.warning("[op %s] rank %d was not told to drop ranks %s: %s", self.id, dst, readers[dst], res)
+        return readers
+
+    def can_mask(self, failed: list[int], todo, tasks, told: set[int]) -> bool:
+        """Whether masking `failed` out now overwrites no slot a pull in flight still reads (the
+        survivors reload experts that only the failed ranks held into spare slots)."""
+        current = self.topology.placement
+        try:
+            target = shrink(current, failed, self.num_experts)
+        except ValueError:  # the mask fails with this, once the pulls are over
+            return False
+        S = current.slots_per_rank
+        written = {
+            (slot // S, expert_slot_name(layer, slot % S, part))
+            for layer, slot in changed_slots(current, target)
+            for part in EXPERT_PARTS
+        }
+        read = {
+            (it.src_rank, it.src_name)
+            for dst, its in todo.items()
+            if not tasks[dst].done()
+            for it in its
+            if it.src_rank not in told
+        }
+        return not written & read
+
+    async def verdict(self, ranks: list[int]) -> None:
+        """Wait until the router has judged these sources a pull lost: failed (a dead or stalled
+        rank is found within its heartbeat deadline, a killed one sooner by its EP peers), or
+        alive (it answered meanwhile)."""
+        deadline = time.monotonic() + self.cfg.rank_timeout_s + 2 * self.cfg.status_interval_s
+        while not all(r in self.failed or self.port.failed(r) for r in ranks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def commit(
-        self, active: list[int], placement: Placement, warm: list[int] = (), recapture: bool = False
+        self,
+        active: list[int],
+        placement: Placement,
+        warm: list[int] = (),
+        recapture: bool = False,
+        involved: list[int] | None = None,
     ) -> float:
-        """Pause every rank involved at one step boundary, install the new active set and expert
-        map in place, resume; returns the downtime. On failure roll everyone back to the previous
-        set under a new epoch."""
-        # Leaving ranks that already exited (a follow-up rebalance) are no longer known.
-        involved = sorted(
-            r for r in set(self.active) | set(active) | set(self.joiners) | set(self.leaving) if self._known(r)
-        )
+        """Pause every rank involved (by default every rank of this operation) at one step
+        boundary, install the new active set and expert map in place, resume; returns the
+        downtime. On failure roll everyone back to the previous set under a new epoch."""
+        if involved is None:
+            # Leaving ranks that already exited (a follow-up rebalance) are no longer known.
+            involved = sorted(
+                r for r in set(self.active) | set(active) | set(self.joiners) | set(self.leaving) if self._known(r)
+            )
         epoch = self.topology.epoch + 1
         timeout = self.cfg.commit_timeout_s
         t0 = self.pause_t0 or time.monotonic()
@@ -317,8 +505,8 @@ class Operation:
 
     async def rollback(self, involved, epoch: int, reason: str) -> None:
         """Back to the previous set under `epoch`, less the serving ranks found dead: those are
-        fenced and masked out as a failover would (their experts reloaded on the survivors), so
-        that no epoch ever lists a dead rank as active and routable."""
+        masked out as a failover would (`mask`), so that no epoch ever lists a dead rank as active
+        and routable. A rank that misses a step of it is logged, and the rest goes on."""
         self.undoing = True
         old = self.topology
         dead = [r for r in old.active if r in self.failed or self.port.failed(r) or self.provider.alive(r) is False]
@@ -338,27 +526,19 @@ class Operation:
             reason,
             f"; masking out ranks {masked}, found dead" if masked else "",
         )
-        await self.fence(masked)
         reachable = [r for r in involved if r not in masked and self.provider.alive(r) is not False]
         # Survivors may be inside a collective with a rank that died during the commit: told it
         # is gone, they give up on it now rather than at the EP timeout.
         gone = sorted({*self.failed, *dead, *(r for r in involved if r not in reachable)})
-        reload = sorted({slot // placement.slots_per_rank for _, slot in changed_slots(old.placement, placement)})
-        for ranks, msg in (
-            (reachable, lambda r: Pause(gone=gone)),
-            (reload, lambda r: LoadExperts(placement=placement, since=old.placement)),
-            (reachable, lambda r: Configure(epoch=epoch, active=active if r in active else [], placement=placement)),
-            (reachable, lambda r: Resume()),
-            (active if masked else [], lambda r: Disconnect(ranks=masked)),
-        ):
-            results = await asyncio.gather(
-                *(self.call([r], msg, self.cfg.commit_timeout_s) for r in ranks), return_exceptions=True
-            )
-            for r, res in zip(ranks, results):
-                if isinstance(res, Exception):
-                    log.error("[op %s] rank %d missed the rollback: %s", self.id, r, res)
+        await self.mask(masked, placement, reachable, gone)
+        await self.each(
+            reachable,
+            lambda r: Configure(epoch=epoch, active=active if r in active else [], placement=placement),
+            self.cfg.commit_timeout_s,
+        )
+        await self.each(reachable, lambda r: Resume(), self.cfg.commit_timeout_s)
         self.topology = Committed(epoch=epoch, active=active, placement=placement)
-        self.record.masked = sorted({*self.record.masked, *masked})
+        await self.masked_out(masked)
         self.rolled_back = True
 
     async def fence(self, ranks: list[int]) -> None:
@@ -368,6 +548,38 @@ class Operation:
             if self._known(r):  # not yet fenced by an earlier attempt
                 await self.provider.fence(r, self.port.status(r).pid, self.id)
                 self.port.forget(r)
+
+    async def mask(self, failed: list[int], target: Placement, pause: list[int], gone: list[int]) -> None:
+        """The steps that mask failed serving ranks out, before the epoch without them is
+        installed; shared by a failover (also one inside a scale-up) and a rollback. The failed
+        ranks are fenced; the ranks in `pause` stop waiting for `gone` and pause with their
+        requests intact; experts that only the failed ranks held are loaded from the checkpoint
+        into the survivors' spare slots (where `target` differs from the committed placement)."""
+        current = self.topology.placement
+        await self.fence(failed)
+        if not self.undoing:  # a failover's downtime starts with this pause (a rollback's is its commit's)
+            self.pause_t0 = time.monotonic()
+        await self.each(pause, lambda r: Pause(gone=gone), self.cfg.commit_timeout_s)
+        reload = sorted({slot // target.slots_per_rank for _, slot in changed_slots(current, target)})
+        await self.each(reload, lambda r: LoadExperts(placement=target, since=current))
+
+    async def masked_out(self, failed: list[int]) -> None:
+        """The epoch without these failed ranks is committed: the record says so (the scaler
+        replaces them), and the serving ranks forget them."""
+        if failed:
+            self.record.masked = sorted({*self.record.masked, *failed})
+            await self.each(self.active, lambda r: Disconnect(ranks=failed), self.cfg.commit_timeout_s)
+
+    async def each(self, ranks, make: Callable[[int], object], timeout: float | None = None) -> None:
+        """`call`, except while undoing (a rollback): then a rank that misses it is logged and the
+        others go on, since the rollback must reach every rank it can."""
+        if not self.undoing:
+            await self.call(ranks, make, timeout)
+            return
+        results = await asyncio.gather(*(self.call([r], make, timeout) for r in ranks), return_exceptions=True)
+        for r, res in zip(ranks, results):
+            if isinstance(res, Exception):
+                log.error("[op %s] rank %d missed the rollback: %s", self.id, r, res)
 
     # ---- the operations ----------------------------------------------------------------------
     async def scale_up(self) -> None:
@@ -390,6 +602,8 @@ class Operation:
         await self.call(restored, lambda r: Restore(op=self.id))
         self.transition(Phase.LOADING, "dense weights spread over serving ranks, experts per the target map")
         await self.pull_experts(current, target, list(self.active), dense_to=self.joiners)
+        if self.failed:  # masked out meanwhile: the joiners' slots as planned, the others the survivors'
+            target = grow(self.topology.placement, self.joiners, self.num_experts, self.load)
         if not req.mode.warms_inside_pause:
             self.transition(Phase.WARMING, "joiners alone, remote peers masked")
             await self.call(self.joiners, lambda r: Warmup(placement=target, op=self.id))
@@ -450,25 +664,35 @@ class Operation:
             self.port.forget(r)
 
     async def failover(self) -> None:
-        """Mask failed serving ranks out: a forced scale-down that asks nothing of them. Survivors
-        stop waiting for them and pause with their requests intact; experts that only the failed
-        ranks held are loaded from the checkpoint into the survivors' spare slots; the commit
-        installs the survivors under a new epoch and every paused step runs again."""
-        current, failed = self.topology.placement, self.failed
-        survivors = [r for r in self.active if r not in failed]
-        if not survivors:
-            raise ScaleError(f"every serving rank failed ({failed}): nothing to fail over to")
-        target = shrink(current, failed, self.num_experts)
-        self.transition(Phase.MASKING, f"ranks {failed} failed; survivors {survivors} pause and reload their experts")
-        await self.fence(failed)
-        self.pause_t0 = time.monotonic()
-        await self.call(survivors, lambda r: Pause(gone=failed), self.cfg.commit_timeout_s)
-        reload = sorted({slot // target.slots_per_rank for _, slot in changed_slots(current, target)})
-        await self.call(reload, lambda r: LoadExperts(placement=target, since=current))
+        """Mask failed serving ranks out: a forced scale-down that asks nothing of them. The
+        commit installs the survivors under a new epoch and every paused step runs again."""
+        survivors, target = await self.ready_survivors(self.failed)
         self.transition(Phase.COMMITTING)
         self.scale_committed(await self.commit(survivors, target))
-        self.record.masked = list(failed)
-        await self.call(survivors, lambda r: Disconnect(ranks=failed))
+        await self.masked_out(self.failed)
+
+    async def ready_survivors(self, failed: list[int]) -> tuple[list[int], Placement]:
+        """Ready the survivors to serve without these failed serving ranks (`mask`); returns them
+        and the placement to commit them with."""
+        self.failed = sorted({*self.failed, *failed})
+        survivors = [r for r in self.active if r not in self.failed]
+        if not survivors:
+            raise ScaleError(f"every serving rank failed ({self.failed}): nothing to fail over to")
+        target = shrink(self.topology.placement, failed, self.num_experts)
+        self.transition(Phase.MASKING, f"ranks {failed} failed; survivors {survivors} pause and reload their experts")
+        await self.mask(failed, target, survivors, self.failed)
+        return survivors, target
+
+    async def absorb(self, failed: list[int]) -> None:
+        """A failover inside this scale-up: mask the failed serving ranks out and commit the
+        survivors (the joiners, still loading, take no part), then go on loading."""
+        survivors, target = await self.ready_survivors(failed)
+        downtime = await self.commit(survivors, target, involved=survivors)
+        self.record.failover_downtime_s, self.record.failover_committed_at = round(downtime, 6), time.time()
+        await self.masked_out(failed)
+        if self.req.mode is ScaleMode.BLOCKING:  # mode A keeps serving paused for the whole operation
+            await self.pause_all()
+        self.transition(Phase.LOADING, f"ranks {failed} masked out; the joiners' lost reads come from {survivors}")
 
     def scale_committed(self, downtime: float) -> None:
         self.committed = True
@@ -562,6 +786,14 @@ class Operation:
         return self.topology
 
 
+def by_source(items: list[PullItem]) -> dict[int, list[str]]:
+    """Destinations per source rank."""
+    out: dict[int, list[str]] = {}
+    for it in items:
+        out.setdefault(it.src_rank, []).append(it.dst_name)
+    return out
+
+
 INTERRUPTED = "interrupted"  # an operation's phase once the router that ran it is gone
 ENDED = {p.value for p in _FINAL} | {INTERRUPTED}
 HISTORY = 20  # operations kept in the history (and its journal)
@@ -569,11 +801,13 @@ COMPACT_AFTER = 500  # journal lines (some 25 phase changes per operation kept) 
 
 
 class Tally(msgspec.Struct, forbid_unknown_fields=True):
-    """The router's operation counters: operations by kind and how they ended, and those whose
-    follow-up failed after their commit."""
+    """The router's operation counters: operations by kind and how they ended, those whose
+    follow-up failed after their commit, and the failed serving ranks masked out (a failover's,
+    but also a rollback's and a scale-up's own, which no failover operation counts)."""
 
     outcomes: dict[str, dict[str, int]] = {}  # kind -> final phase (or interrupted) -> count
     followup_failures: int = 0
+    masked_ranks: int = 0
 
     def count(self, record: OpRecord) -> None:
         """Count an operation that ended (others are not yet)."""
@@ -582,6 +816,7 @@ class Tally(msgspec.Struct, forbid_unknown_fields=True):
         of_kind = self.outcomes.setdefault(record.kind, {})
         of_kind[record.phase] = of_kind.get(record.phase, 0) + 1
         self.followup_failures += bool(record.followup_error)
+        self.masked_ranks += len(record.masked)
 
     def add(self, other: Tally) -> None:
         for kind, ends in other.outcomes.items():
@@ -589,6 +824,7 @@ class Tally(msgspec.Struct, forbid_unknown_fields=True):
             for phase, n in ends.items():
                 of_kind[phase] = of_kind.get(phase, 0) + n
         self.followup_failures += other.followup_failures
+        self.masked_ranks += other.masked_ranks
 
 
 class OpJournal:
@@ -765,13 +1001,13 @@ class Scaler:
             self.current = None
             self.tally.count(op.record)
             self.owner.operation_ended(op.record, result)
-            if op.preempted and not failed and self.pending is None:
-                # Cut short by a failed serving rank: tried again once that rank is masked out (by
-                # the failover, or by this operation's rollback), and then it also replaces what
-                # failed (an injected fault was this attempt's).
+            masked = set(op.record.masked)  # by a failover, a rollback, or a scale-up's own failover
+            if (op.preempted or (masked and op.record.phase == "done")) and not failed and self.pending is None:
+                # Cut short by a failed serving rank, or done less the ranks it masked out: tried
+                # again once that rank is masked out (by the failover or its rollback), and then it
+                # also replaces what failed (an injected fault was this attempt's).
                 log.info("[op %s] its target dp_size %d is requested again", op.id, req.dp_size)
                 self.pending = msgspec.structs.replace(req, fault="")
-            masked = set(op.record.masked)  # by a failover, or by a rollback
             if not masked.issuperset(failed):
                 # A survivor failed too (it is found and joins `failing`): try again shortly.
                 await asyncio.sleep(self.cfg.status_interval_s)

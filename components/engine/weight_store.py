@@ -32,6 +32,12 @@ Why it is built this way:
   stays silent gives a WeightTransferError naming it. Requests to healthy sources are allowed to
   finish first, so they are not still writing into our weights when pull() raises; a timed-out
   request is aborted (NIXL release) and its destinations must be treated as garbage.
+* A lost source costs only its items, where the caller can read them elsewhere (``partial``: the
+  router plans them again onto other holders): they come back in ``PullStats.lost``, the rest is
+  pulled and verified. A stalled source never fails a READ, and a dead one may not be noticed
+  before the timeout; the router, which finds failed ranks, says so (``drop_sources``), and the
+  pull gives up on them at once. A lost source's requests are released and its agent forgotten
+  before pull() returns: nothing of it writes into our weights once the caller re-plans.
 * No pickle on the wire: manifests and notifications are msgspec Structs (msgpack).
 
 Threading: NIXL agents are created without internal locking, so every agent call goes through the
@@ -50,7 +56,7 @@ from collections.abc import Callable, Iterable
 import msgspec
 import torch
 
-from components.protocol.transfer import PullItem, PullStats, TensorDesc, WeightManifest
+from components.protocol.transfer import PullItem, PullStats, SourceLoss, TensorDesc, WeightManifest
 
 from .checksum import checksums
 from .nixl_agent import NixlAgent, NixlError, PeerMetadataError, nixl_memory
@@ -161,6 +167,7 @@ class WeightStore:
                 raise ValueError(f"storage regions at 0x{a:x} (+{na}) and 0x{b:x} overlap")
 
         self._pull_lock = threading.Lock()
+        self._dropped: dict[str, str] = {}  # source agent -> why no pull reads from it any more
         self._closed = False
         self._done: list[PullDone] = []
         self._serve_stop = threading.Event()
@@ -288,6 +295,11 @@ class WeightStore:
 
     # ------------------------------------------------------------------ joiner side
 
+    def drop_sources(self, agents: dict[str, str]) -> None:
+        """Read no more from these sources (agent name -> why): a pull in flight gives up on them
+        at once, a later one from the start. Safe from any thread: one dict update."""
+        self._dropped.update(agents)
+
     def pull(
         self,
         items: list[PullItem],
@@ -295,23 +307,34 @@ class WeightStore:
         timeout_s: float = 60.0,
         progress: Callable[[int, int], None] | None = None,
         use_ipc: bool = True,
+        partial: bool = False,
     ) -> PullStats:
         """READ each item's source tensor into self.tensors[dst_name], then verify every checksum.
 
         Items whose source is this rank are copied from its own tensors (`sources` needs no
         manifest for it; one given is not used). Everything is validated before the first
         transfer. Raises WeightTransferError naming the tensor and source rank for a mismatch, a
-        failed or timed-out source, or a bad checksum."""
+        failed, dropped or timed-out source, or a bad checksum; with `partial`, a source that
+        fails, is dropped or times out is given up on instead: its items come back in
+        `PullStats.lost`, and the rest is pulled and verified."""
         t_start = time.monotonic()
         deadline = t_start + timeout_s
         with self._pull_lock:
             self._check_open()
             plan = self._plan(items, sources)
-            total = sum(x.nbytes for xs in plan.values() for x in xs)
-            per_source = {r: sum(x.nbytes for x in xs) for r, xs in plan.items()}
             local = plan.pop(self.rank, [])
+            lost: dict[int, str] = {}  # source rank -> why it was given up on
             for r in plan:
-                self._load_source(sources[r])
+                why = self._dropped.get(sources[r].agent)
+                if why:
+                    lost[r] = f"rank {r}: dropped before the pull: {why}"
+                    continue
+                try:
+                    self._load_source(sources[r])
+                except WeightTransferError as e:
+                    if not partial:
+                        raise
+                    lost[r] = str(e)
 
             t_xfer = time.monotonic()
             # Before anything else writes: a source of ours may be a destination of this pull.
@@ -321,7 +344,7 @@ class WeightStore:
             # NIXL READ for everything else, and for a source whose memory could not be opened.
             direct = {}  # source rank -> its (destination, mapped source bytes) pairs
             for r, xs in plan.items():
-                if use_ipc and self._imports.usable(sources[r]):
+                if r not in lost and use_ipc and self._imports.usable(sources[r]):
                     pairs = self._imports.open_all(sources[r], (e for x in xs for e in x.items))
                     if pairs is not None:
                         direct[r] = pairs
@@ -334,10 +357,14 @@ class WeightStore:
                 t_copied = time.monotonic()
                 self._imports.close()
                 t_unmapped = time.monotonic()
+            per_source = {r: sum(x.nbytes for x in xs) for r, xs in plan.items() if r not in lost}
+            if local:
+                per_source[self.rank] = sum(x.nbytes for x in local)
             local_bytes = per_source.get(self.rank, 0)
             ipc_bytes = sum(per_source[r] for r in direct)
-            xfers = self._run(
-                {r: xs for r, xs in plan.items() if r not in direct},
+            total = sum(per_source.values())
+            xfers, failed = self._run(
+                {r: xs for r, xs in plan.items() if r not in direct and r not in lost},
                 sources,
                 deadline,
                 local_bytes + ipc_bytes,
@@ -345,11 +372,26 @@ class WeightStore:
                 progress,
                 timeout_s,
             )
+            lost.update(failed)
+            for r in lost:
+                self._forget_source(sources[r])
+            if lost:
+                self._progress()
+            if lost and not partial:
+                self._release(xfers)
+                # Nothing of this pull is verified: no source may take it as done.
+                self._notify_done({r: xs for r, xs in plan.items() if r not in lost}, sources, set(plan))
+                why = "; ".join(lost[r] for r in sorted(lost))
+                raise WeightTransferError(f"pull into rank {self.rank} failed: {why}")
+            for r, why in sorted(lost.items()):
+                total -= per_source.pop(r, 0)
+                log.warning("%s: gave up on source rank %d: %s", self.name, r, why)
+            kept = {r: xs for r, xs in plan.items() if r not in lost}
             t_verify = time.monotonic()
-            bad = self._verify([x for xs in (*plan.values(), local) for x in xs])
+            bad = self._verify([x for xs in (*kept.values(), local) for x in xs])
             t_end = time.monotonic()
 
-            self._notify_done(plan, sources, {it.src_rank for it, _, _ in bad})
+            self._notify_done(kept, sources, {it.src_rank for it, _, _ in bad})
             self._release(xfers)
             if bad:
                 it, desc, got = bad[0]
@@ -362,8 +404,9 @@ class WeightStore:
                     f"tensor {it.src_name} from rank {it.src_rank}: checksum mismatch after READ into "
                     f"{it.dst_name} on rank {self.rank} (source {desc.checksum}, got {got}){more}"
                 )
+            gone = [SourceLoss(r, lost[r], [it for x in plan[r] for it, _, _ in x.items]) for r in sorted(lost)]
             stats = PullStats(
-                tensors=len(items),
+                tensors=len(items) - sum(len(g.items) for g in gone),
                 bytes=total,
                 seconds=t_end - t_start,
                 per_source=per_source,
@@ -372,6 +415,7 @@ class WeightStore:
                 ipc_bytes=ipc_bytes,
                 map_seconds=(t_opened - t_local) + (t_unmapped - t_copied),
                 local_bytes=local_bytes,
+                lost=gone,
             )
             log.info(
                 "%s: pulled %d tensors, %.1f MiB from ranks %s in %.3fs (%.2f GB/s; transfer %.3fs, verify %.3fs)",
@@ -491,8 +535,10 @@ class WeightStore:
         if m.agent in self._nixl.peers:
             self._nixl.forget_peer(m.agent)
 
-    def _run(self, plan, sources, deadline, done_bytes, total, progress, timeout_s) -> list[_Xfer]:
-        """Post every READ of `plan`, then wait for them; `done_bytes` of `total` are in already."""
+    def _run(self, plan, sources, deadline, done_bytes, total, progress, timeout_s):
+        """Post every READ of `plan`, then wait for them; `done_bytes` of `total` are in already.
+        Returns the requests and the sources that failed, timed out or were dropped meanwhile,
+        each with why; their requests are released (aborted): none of them writes any more."""
         nixl = self._nixl
         # Round-robin over sources so every source has a request in flight from the start.
         queue: list[_Xfer] = []
@@ -525,10 +571,10 @@ class WeightStore:
                     x.state = nixl.agent.transfer(x.handle)
             except Exception as e:
                 x.state = "ERR"
-                failed[x.src] = f"READ of {_names(x.items)} could not start: {e}"
+                failed[x.src] = f"rank {x.src}: READ of {_names(x.items)} could not start: {e}"
                 continue
             if x.state == "ERR":
-                failed[x.src] = f"READ of {_names(x.items)} failed"
+                failed[x.src] = f"rank {x.src}: READ of {_names(x.items)} failed"
             elif x.state == "DONE":
                 done_bytes += x.nbytes
                 report()
@@ -539,10 +585,19 @@ class WeightStore:
         while pending:
             still = []
             # A failed source's other requests are polled to the end too: nothing may still be
-            # writing into our tensors when we return.
+            # writing into our tensors when we return. A dropped one's are not (it is stalled or
+            # gone): they are aborted below.
             for x in pending:
-                with nixl.lock:
-                    st = nixl.agent.check_xfer_state(x.handle)
+                dropped = self._dropped.get(sources[x.src].agent)
+                if dropped:
+                    failed.setdefault(x.src, f"rank {x.src}: dropped mid-pull: {dropped}")
+                    continue
+                err = ""
+                try:
+                    with nixl.lock:
+                        st = nixl.agent.check_xfer_state(x.handle)
+                except Exception as e:  # NIXL raises for a source that disconnected mid-transfer
+                    st, err = "ERR", f": {e}"
                 x.state = st
                 if st == "PROC":
                     still.append(x)
@@ -550,7 +605,8 @@ class WeightStore:
                     done_bytes += x.nbytes
                     report()
                 else:
-                    failed.setdefault(x.src, f"READ of {_names(x.items)} failed (source gone?)")
+                    err = err or " (source gone?)"
+                    failed.setdefault(x.src, f"rank {x.src}: READ of {_names(x.items)} failed{err}")
             pending = still
             if not pending:
                 break
@@ -563,24 +619,12 @@ class WeightStore:
                 # processes it reads from on a small host.
                 time.sleep(0 if now < t0 + _YIELD_S else _SLEEP_S)
 
-        if pending or failed:
-            for x in pending:
-                failed.setdefault(x.src, "")
-            self._release(queue)
-            parts = []
-            for r in sorted(failed):
-                if any(x.src == r for x in pending):
-                    left = sum(x.nbytes for x in pending if x.src == r)
-                    names = _names([i for x in pending if x.src == r for i in x.items])
-                    parts.append(f"rank {r} did not finish within {timeout_s}s ({left} B of {names} outstanding)")
-                else:
-                    parts.append(f"rank {r}: {failed[r]}")
-            self._notify_done({r: xs for r, xs in plan.items() if r not in failed}, sources, set(plan))
-            for r in failed:
-                self._forget_source(sources[r])
-            self._progress()
-            raise WeightTransferError(f"pull into rank {self.rank} failed: " + "; ".join(parts))
-        return queue
+        for r in {x.src for x in pending}:
+            left = sum(x.nbytes for x in pending if x.src == r)
+            names = _names([i for x in pending if x.src == r for i in x.items])
+            failed.setdefault(r, f"rank {r} did not finish within {timeout_s}s ({left} B of {names} outstanding)")
+        self._release([x for x in queue if x.src in failed])
+        return queue, failed
 
     def _verify(self, xfers: list[_Xfer]) -> list[tuple[PullItem, TensorDesc, int]]:
         entries = [e for x in xfers for e in x.items]

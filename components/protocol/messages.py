@@ -66,8 +66,19 @@ class EndExport(msgspec.Struct, tag="end_export"):
 
 
 class PullWeights(msgspec.Struct, tag="pull_weights"):
+    """Pull these items. A source lost on the way costs only its items: the reply lists them
+    (PullStats.lost), and the router reads them from other holders next."""
+
     sources: dict[int, WeightManifest]
     items: list[PullItem]
+    op: str = "-"
+
+
+class DropSources(msgspec.Struct, tag="drop_sources"):
+    """These sources failed (the router found them dead or stalled): a pull reading from them
+    gives up on them now, not at its timeout, and a later one does not start to."""
+
+    agents: dict[str, str]  # source agent name (WeightManifest.agent) -> why
     op: str = "-"
 
 
@@ -121,6 +132,7 @@ ControlRequest = (
     | ExportWeights
     | EndExport
     | PullWeights
+    | DropSources
     | Warmup
     | Drain
     | Exit

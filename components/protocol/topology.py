@@ -56,6 +56,16 @@ class ScaleRequest(msgspec.Struct, frozen=True):
     fault: str = ""  # injected into joiners; only honoured with Router.allow_fault_injection
 
 
+class PullLoss(msgspec.Struct):
+    """Reads a pull lost with its source mid-pull, and where the operation read them from instead."""
+
+    rank: int  # the puller
+    source: int  # the source lost
+    reason: str
+    items: list[str]  # the destinations (tensor names on `rank`) it was to fill
+    repulled_from: dict[int, list[str]] = {}  # rank -> those of `items` read from it; {} when the operation gave way
+
+
 class OpRecord(msgspec.Struct):
     """What /topology shows about an operation."""
 
@@ -78,9 +88,15 @@ class OpRecord(msgspec.Struct):
     joined_from: dict[int, str] = {}  # joiner -> "parked" | "snapshot" (restored from its image) | "cold"
     snapshot_refused: dict[int, str] = {}  # new joiner -> why no snapshot was restored for it
     parked: list[int] = []  # leaving ranks kept for the next scale-up
-    masked: list[int] = []  # serving ranks found dead that it masked out (a failover, or a rollback)
     error: str = ""  # why it aborted or rolled back, or what failed after its commit
     followup_error: str = ""  # the commit held but its cleanup or rebalance failed
+    # Serving ranks found dead that it masked out: as a failover, in a rollback, or (a scale-up
+    # whose pull source failed) in a failover of its own, whose commit the next two time (a
+    # failover's are downtime_s and committed_at; a rollback's pause is not timed).
+    masked: list[int] = []
+    failover_downtime_s: float | None = None
+    failover_committed_at: float | None = None
+    pull_losses: list[PullLoss] = []  # sources lost mid-pull: what they were to send, and from whom it came
 
 
 class RankView(RankSummary, kw_only=True):

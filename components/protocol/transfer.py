@@ -1,6 +1,7 @@
 """Weight-transfer manifests and pull plans, as data: what a source offers (`WeightManifest`), what a
-joiner reads from whom (`PullItem`, planned by `spread` and the scale operation), and what it
-reports (`PullStats`). Torch-free: the router plans pulls; ranks execute them (engine/weight_store.py).
+joiner reads from whom (`PullItem`, planned by `spread` and the scale operation, and by `replan`
+again for what a source lost mid-pull was to send), and what it reports (`PullStats`). Torch-free:
+the router plans pulls; ranks execute them (engine/weight_store.py).
 """
 
 from __future__ import annotations
@@ -68,8 +69,17 @@ class PullItem(msgspec.Struct, frozen=True):
     dst_name: str
 
 
+class SourceLoss(msgspec.Struct, frozen=True):
+    """A source a pull gave up on (it failed, or the router said it did): why, and the items of
+    the pull it was to send, none of them verified (their destinations hold garbage)."""
+
+    src_rank: int
+    reason: str
+    items: list[PullItem]
+
+
 class PullStats(msgspec.Struct):
-    tensors: int
+    tensors: int  # pulled and verified; the items of `lost` not among them
     bytes: int
     seconds: float  # whole pull() call: metadata, transfers, verification
     per_source: dict[int, int]  # bytes per source rank
@@ -78,6 +88,7 @@ class PullStats(msgspec.Struct):
     ipc_bytes: int = 0  # of `bytes`, copied through CUDA IPC from same-node peers
     map_seconds: float = 0.0  # of transfer_seconds, mapping and unmapping same-node peers' memory
     local_bytes: int = 0  # of `bytes`, copied from the puller's own tensors (its rank was a source)
+    lost: list[SourceLoss] = []  # sources given up on, when the puller may lose some (pull(partial=True))
 
     @property
     def gbps(self) -> float:
@@ -147,3 +158,46 @@ def expert_pulls(current: Placement, target: Placement, sources: list[int]) -> d
                 )
             )
     return items
+
+
+def replan(
+    lost: list[PullItem],
+    planned: Placement,
+    where: Placement,
+    sources: list[int],
+    dst: int,
+    sizes: Mapping[str, int] | None = None,
+) -> list[PullItem]:
+    """The items rank `dst` lost with their source, read from other holders among `sources`: a
+    dense weight from any of them (every serving rank holds every one, `spread` by `sizes`), an
+    expert from a slot holding it under `where`, the expert being the one its lost source slot held
+    under `planned` (the placement the items were planned on). As in `expert_pulls`, another
+    rank's replica before `dst`'s own, round robin, the parts of one slot from one replica.
+    ValueError naming the items that no source holds."""
+    S = planned.slots_per_rank
+    remote = [s for s in sources if s != dst]
+    dense = [it.dst_name for it in lost if not it.src_name.startswith("experts.")]
+    out = {it.dst_name: it for it in spread(dense, remote, sizes)} if dense and remote else {}
+    orphans = dense if not remote else []
+    turn = itertools.count()
+    chosen: dict[tuple[int, str], int | None] = {}  # (layer, destination slot) -> source slot
+    for it in lost:
+        if not it.src_name.startswith("experts."):
+            continue
+        _, layer, slot, part = it.src_name.split(".")
+        layer = int(layer)
+        key = (layer, it.dst_name.rsplit(".", 1)[0])
+        if key not in chosen:
+            expert = planned.slots[layer][it.src_rank * S + int(slot)]
+            holders = [s for s, e in enumerate(where.slots[layer]) if e == expert and s // S in sources]
+            others = [s for s in holders if s // S != dst] or holders
+            chosen[key] = others[next(turn) % len(others)] if others else None
+        src_slot = chosen[key]
+        if src_slot is None:
+            orphans.append(it.dst_name)
+            continue
+        out[it.dst_name] = PullItem(src_slot // S, expert_slot_name(layer, src_slot % S, part), it.dst_name)
+    if orphans:
+        more = f" and {len(orphans) - 3} more" if len(orphans) > 3 else ""
+        raise ValueError(f"no live rank holds {', '.join(orphans[:3])}{more} (of ranks {sorted(sources)})")
+    return [out[it.dst_name] for it in lost]
