@@ -109,7 +109,7 @@ def test_checksum_kernel_under_the_interpreter_on_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_rows", [SMALL_BLOCK_ROWS, None])
+@pytest.mark.parametrize("block_rows", [SMALL_BLOCK_ROWS, None], ids=["small blocks", "real blocks"])
 def test_checksum_kernel_on_cuda(block_rows):
     """Compiled, against the torch form on the GPU and against the CPU through the public calls."""
     from components.engine.checksum_kernel import BLOCK_ROWS
