@@ -2,7 +2,8 @@
 # The GPU runs behind the H200 numbers in bench/results (*_h200*.json), one step at a time:
 #   bench/gpu_run.sh tests pull scale handover decode
 # tests:    every gpu-marked test ($TESTS narrows the files).
-# pull:     bench.weight_pull with 8 GB on one GPU, and from a second GPU when there is one.
+# pull:     bench.weight_pull with 8 GB on one GPU, and from a second GPU when there is one; then
+#           bench.checksum (the pull's verification alone) on 8 GiB.
 # scale:    bench.scale, modes $MODES (default A,B,C; D and the restart come with C), on a 5.4 GiB
 #           Mixtral-shaped model, rank r on GPU r % GPUs. A device call of 10 minutes holds C or
 #           A,B but not all three.
@@ -26,13 +27,14 @@ for step in "$@"; do
     tests)  # files named ($TESTS narrows them): collecting all of tests/ needs the client packages
         $PY -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu_elastic.py tests/test_engine.py \
             tests/test_ep_nixl.py tests/test_weight_transfer.py tests/test_vmm.py tests/test_snapshot.py \
-            tests/test_triton_kernels.py} || rc=1 ;;
+            tests/test_triton_kernels.py tests/test_checksum.py} || rc=1 ;;
     pull)
         $PY -m bench.weight_pull --mb 8192 --paths cuda-ipc,vmm-map --out "$OUT/weight_pull_h200.json" || rc=1
         if [ "$gpus" -gt 1 ]; then
             $PY -m bench.weight_pull --mb 8192 --paths cuda-ipc,vmm-map --device cuda:0 --src-device cuda:1 \
                 --out "$OUT/weight_pull_h200_cross_gpu.json" || rc=1
-        fi ;;
+        fi
+        $PY -m bench.checksum --gb 8 --out "$OUT/checksum_h200.json" || rc=1 ;;
     scale)
         [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
         modes=${MODES:-A,B,C}

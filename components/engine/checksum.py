@@ -4,12 +4,16 @@ Why it is built this way: a weight pull verifies each tensor it received against
 source computed when it described the tensor (weight_store.py). So the checksum runs on the
 tensor's device (no host round trip of the weights), checksums() of many tensors costs one device
 sync, and the result depends only on the bytes (not on the dtype, the view or the device), so a
-CPU source and a CUDA puller agree bit for bit. What kinds of damage it catches: _checksum_dev.
+CPU source and a CUDA puller agree bit for bit. What kinds of damage it catches: _checksum_torch.
+
+On a GPU the checksum must keep up with the transfer it verifies: a Triton kernel
+(checksum_kernel.py) reads each word once and sums all tensors of one word type in one launch. The
+CPU keeps the torch form; both compute the same sums (see _checksum_torch), so the same value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -35,16 +39,19 @@ def _words(t: torch.Tensor) -> torch.Tensor:
         return b.clone().view(wdt)
 
 
-def _checksum_dev(t: torch.Tensor) -> torch.Tensor:
-    """0-dim int64 checksum on the tensor's device (no sync).
+def _checksum_torch(t: torch.Tensor) -> torch.Tensor:
+    """0-dim int64 checksum on the tensor's device (no sync), in torch ops: the CPU's form.
 
     Words are laid out as rows of 251: the column sums weighted by (column + 1) catch moves by any
     distance that is not a multiple of 251 words, and the row sums weighted by (row % 257 + 1)
     catch those that are, so swapped blocks change the result unless they are 64507-word aligned
     and sized. Plus the plain sum. Integer arithmetic wraps mod 2**64 in any order, so CPU and CUDA
-    agree bit for bit."""
-    if not t.is_contiguous():
-        raise ValueError("checksum needs a contiguous tensor")
+    agree bit for bit.
+
+    Per word w_i (int32 and int16 words sign-extended, bytes zero-extended, as torch's int64 sums
+    do), the value is S + C * _MIX_COL + R * _MIX_ROW with S = sum w_i, C = sum w_i * (i % 251 + 1)
+    and R = sum w_i * ((i // 251) % 257 + 1), all mod 2**64: chunks start on a row, and a partial
+    row is the last, so i % 251 is a word's column and i // 251 its row. The kernel sums the same."""
     dev = t.device
     w = _words(t)
     n = w.numel()
@@ -68,22 +75,44 @@ def _checksum_dev(t: torch.Tensor) -> torch.Tensor:
     return cols.sum() + (cols * colw).sum() * _MIX_COL + rowacc * _MIX_ROW
 
 
+def _kernel_checksums(ts: list[torch.Tensor], block_rows: int | None = None) -> torch.Tensor:
+    """[len(ts)] int64 checksums of contiguous tensors on one device, by the Triton kernel (no sync)."""
+    from . import checksum_kernel as ck  # Triton is imported only where a GPU checksums
+
+    words = [_words(t) for t in ts]
+    sums, owner = ck.block_sums(words, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS)
+    total = torch.zeros(len(ts), 3, dtype=torch.int64, device=sums.device).index_add_(0, owner, sums)
+    return total[:, 0] + total[:, 1] * _MIX_COL + total[:, 2] * _MIX_ROW
+
+
 def checksum(t: torch.Tensor) -> int:
     """Order-sensitive checksum of a contiguous tensor's bytes, computed on its device."""
-    return int(_checksum_dev(t).item())
+    return checksums([t])[0]
+
+
+def checksums_later(ts: Iterable[torch.Tensor]) -> Callable[[], list[int]]:
+    """checksum() of each tensor, started now on GPUs (queued on the current stream, no sync): the
+    call returned waits for them (one sync per device) and computes CPU tensors' checksums."""
+    ts = list(ts)
+    for t in ts:
+        if not t.is_contiguous():
+            raise ValueError("checksum needs a contiguous tensor")
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(ts):
+        by_dev.setdefault(t.device, []).append(i)
+    on_gpu = {d: _kernel_checksums([ts[i] for i in idx]) for d, idx in by_dev.items() if d.type == "cuda"}
+
+    def wait() -> list[int]:
+        out = [0] * len(ts)
+        for d, idx in by_dev.items():
+            vals = on_gpu[d] if d in on_gpu else torch.stack([_checksum_torch(ts[i]) for i in idx])
+            for i, v in zip(idx, vals.tolist()):
+                out[i] = int(v)
+        return out
+
+    return wait
 
 
 def checksums(ts: Iterable[torch.Tensor]) -> list[int]:
     """checksum() of many tensors with one device sync instead of one per tensor."""
-    ts = list(ts)
-    if not ts:
-        return []
-    by_dev: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(ts):
-        by_dev.setdefault(t.device, []).append(i)
-    out = [0] * len(ts)
-    for idx in by_dev.values():
-        vals = torch.stack([_checksum_dev(ts[i]) for i in idx]).tolist()
-        for i, v in zip(idx, vals):
-            out[i] = int(v)
-    return out
+    return checksums_later(ts)()

@@ -25,9 +25,10 @@ Why it is built this way:
   ``serve_interval_s`` (which also collects the joiners' completion notifications), until
   ``stop_serving``/``close``.
 * Checksums from the source. Each TensorDesc carries a checksum (checksum.py) computed at the
-  source when the manifest is made; after the READs the joiner recomputes it over its destination.
-  This catches a wrong address, a wrong slot, a short read and a source whose memory does not hold
-  what it claims.
+  source when the manifest is made; the joiner recomputes it over its destination as each
+  request's data lands, so on a GPU the checks of early requests run while later ones are in
+  flight. This catches a wrong address, a wrong slot, a short read and a source whose memory does
+  not hold what it claims.
 * No hangs. A pull is bounded by ``timeout_s``; a source that disappears (NIXL reports ERR) or
   stays silent gives a WeightTransferError naming it. Requests to healthy sources are allowed to
   finish first, so they are not still writing into our weights when pull() raises; a timed-out
@@ -58,7 +59,7 @@ import torch
 
 from components.protocol.transfer import PullItem, PullStats, SourceLoss, TensorDesc, WeightManifest
 
-from .checksum import checksums
+from .checksum import checksums, checksums_later
 from .nixl_agent import NixlAgent, NixlError, PeerMetadataError, nixl_memory
 from .same_node import SameNodeExport, SameNodeImports, node_id
 
@@ -105,6 +106,25 @@ class _Xfer:
         self.nbytes = 0
         self.handle = None
         self.state = "NEW"  # NEW -> PROC -> DONE | ERR
+
+
+class _Checks:
+    """Checksums of a pull's destinations, started as each request's data lands: on a GPU they run
+    while later transfers are still in flight (checksums_later); compared once all have landed."""
+
+    def __init__(self):
+        self._started: list[tuple[list[str], Callable[[], list[int]]]] = []
+
+    def start(self, entries: list[tuple[PullItem, TensorDesc, torch.Tensor]]) -> None:
+        if entries:
+            self._started.append(([it.dst_name for it, _, _ in entries], checksums_later(t for _, _, t in entries)))
+
+    def bad(self, xfers: list[_Xfer]) -> list[tuple[PullItem, TensorDesc, int]]:
+        """The items of `xfers`, in order, whose destination does not match its source's checksum."""
+        got: dict[str, int] = {}
+        for names, wait in self._started:
+            got.update(zip(names, wait()))
+        return [(it, d, got[it.dst_name]) for x in xfers for it, d, _ in x.items if got[it.dst_name] != d.checksum]
 
 
 def _names(items, k: int = 3) -> str:
@@ -349,12 +369,16 @@ class WeightStore:
                     if pairs is not None:
                         direct[r] = pairs
             t_opened = time.monotonic()
+            checks = _Checks()
+            copied = [e for x in (*local, *(x for r in direct for x in plan[r])) for e in x.items]
             try:
-                self._copy([p for pairs in direct.values() for p in pairs])
+                # On a GPU the checks queue behind the copies, and run while the peers are unmapped
+                # and the READs are in flight.
+                self._copy([p for pairs in direct.values() for p in pairs], lambda: checks.start(copied))
             finally:
                 # Close what was opened: a process holding another's CUDA IPC memory cannot be
                 # checkpointed and restored (the driver API refuses), and a joiner may be parked later.
-                t_copied = time.monotonic()
+                t_closing = time.monotonic()
                 self._imports.close()
                 t_unmapped = time.monotonic()
             per_source = {r: sum(x.nbytes for x in xs) for r, xs in plan.items() if r not in lost}
@@ -371,6 +395,7 @@ class WeightStore:
                 total,
                 progress,
                 timeout_s,
+                checks.start,
             )
             lost.update(failed)
             for r in lost:
@@ -388,7 +413,7 @@ class WeightStore:
                 log.warning("%s: gave up on source rank %d: %s", self.name, r, why)
             kept = {r: xs for r, xs in plan.items() if r not in lost}
             t_verify = time.monotonic()
-            bad = self._verify([x for xs in (*kept.values(), local) for x in xs])
+            bad = checks.bad([x for xs in (*kept.values(), local) for x in xs])
             t_end = time.monotonic()
 
             self._notify_done(kept, sources, {it.src_rank for it, _, _ in bad})
@@ -413,7 +438,7 @@ class WeightStore:
                 transfer_seconds=t_verify - t_xfer,
                 verify_seconds=t_end - t_verify,
                 ipc_bytes=ipc_bytes,
-                map_seconds=(t_opened - t_local) + (t_unmapped - t_copied),
+                map_seconds=(t_opened - t_local) + (t_unmapped - t_closing),
                 local_bytes=local_bytes,
                 lost=gone,
             )
@@ -514,12 +539,18 @@ class WeightStore:
             pairs.append((dst, src))
         return pairs
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each source's bytes into its destination; on CUDA, wait until they are there."""
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], then: Callable[[], None] = lambda: None) -> None:
+        """Copy each source's bytes into its destination, call then() (on CUDA, work it queues runs
+        right behind the copies), and wait until the copies are there."""
         for dst, src in pairs:
             dst.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
-        if pairs and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if not (pairs and self.device.type == "cuda"):
+            then()
+            return
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.device))  # cross-GPU copies end on it too
+        then()
+        copied.synchronize()
 
     def _load_source(self, m: WeightManifest) -> None:
         if m.agent in self._nixl.peers:
@@ -535,10 +566,11 @@ class WeightStore:
         if m.agent in self._nixl.peers:
             self._nixl.forget_peer(m.agent)
 
-    def _run(self, plan, sources, deadline, done_bytes, total, progress, timeout_s):
+    def _run(self, plan, sources, deadline, done_bytes, total, progress, timeout_s, landed):
         """Post every READ of `plan`, then wait for them; `done_bytes` of `total` are in already.
-        Returns the requests and the sources that failed, timed out or were dropped meanwhile,
-        each with why; their requests are released (aborted): none of them writes any more."""
+        `landed(items)` is called with the items of each request once they are all in. Returns the
+        requests and the sources that failed, timed out or were dropped meanwhile, each with why;
+        their requests are released (aborted): none of them writes any more."""
         nixl = self._nixl
         # Round-robin over sources so every source has a request in flight from the start.
         queue: list[_Xfer] = []
@@ -562,6 +594,7 @@ class WeightStore:
             live = [(it, d, t) for it, d, t in x.items if d.nbytes]
             if not live:
                 x.state = "DONE"
+                landed(x.items)
                 continue
             try:
                 local = nixl.descs(self.mem_type, [(t.data_ptr(), d.nbytes, self.dev_id) for _, d, t in live])
@@ -577,6 +610,7 @@ class WeightStore:
                 failed[x.src] = f"rank {x.src}: READ of {_names(x.items)} failed"
             elif x.state == "DONE":
                 done_bytes += x.nbytes
+                landed(x.items)
                 report()
 
         pending = [x for x in queue if x.state == "PROC"]
@@ -603,6 +637,7 @@ class WeightStore:
                     still.append(x)
                 elif st == "DONE":
                     done_bytes += x.nbytes
+                    landed(x.items)
                     report()
                 else:
                     err = err or " (source gone?)"
@@ -625,11 +660,6 @@ class WeightStore:
             failed.setdefault(r, f"rank {r} did not finish within {timeout_s}s ({left} B of {names} outstanding)")
         self._release([x for x in queue if x.src in failed])
         return queue, failed
-
-    def _verify(self, xfers: list[_Xfer]) -> list[tuple[PullItem, TensorDesc, int]]:
-        entries = [e for x in xfers for e in x.items]
-        got = checksums(t for _, _, t in entries)
-        return [(it, d, g) for (it, d, _), g in zip(entries, got) if g != d.checksum]
 
     def _notify_done(self, plan, sources, bad_src: set[int]) -> None:
         """Tell each source we no longer read from it; ok=False if its data did not verify."""

@@ -84,7 +84,7 @@ class PullStats(msgspec.Struct):
     seconds: float  # whole pull() call: metadata, transfers, verification
     per_source: dict[int, int]  # bytes per source rank
     transfer_seconds: float = 0.0  # first post to last completion
-    verify_seconds: float = 0.0
+    verify_seconds: float = 0.0  # checksums still running after the last transfer (the rest overlapped it)
     ipc_bytes: int = 0  # of `bytes`, copied through CUDA IPC from same-node peers
     map_seconds: float = 0.0  # of transfer_seconds, mapping and unmapping same-node peers' memory
     local_bytes: int = 0  # of `bytes`, copied from the puller's own tensors (its rank was a source)

@@ -1,0 +1,60 @@
+"""Checksum throughput on a GPU: checksums() (the Triton kernel, checksum_kernel.py) over --gb GiB in
+each word type, beside the torch form it replaced and a device copy of the same bytes (which reads
+them once and writes them once). A weight pull verifies every byte it copied, so its end-to-end
+rate is bounded by 1 / (1 / copy + 1 / checksum).
+
+`--tiles` times other kernel shapes, ROWSxWARPS/BLOCK_ROWS each (e.g. 8x4/512,16x4/512,8x4/1024);
+the first is what checksum_kernel.py uses. JSON: bench/results/checksum.json."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from bench.measure import median_ms, write_results
+from components.engine import checksum_kernel as ck
+from components.engine.checksum import _checksum_torch, checksums
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gb", type=float, default=8.0, help="GiB checksummed per measurement")
+    p.add_argument("--tiles", default=f"{ck._ROWS}x{ck._WARPS}/{ck.BLOCK_ROWS}")
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--out", type=Path, default=Path("bench/results/checksum.json"))
+    args = p.parse_args()
+
+    n = int(args.gb * 2**30) // 4 * 4
+    data = torch.randint(-(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device="cuda")
+    raw = data.view(torch.uint8)
+    forms = {"int32 words": [raw], "int16 words": [raw[: n - 2]], "bytes": [raw[: n - 1]]}
+    forms["int32 words, 1000 tensors"] = list(raw[: n - n % 4000].view(1000, -1))
+    copy = torch.empty_like(raw)
+    copy_ms = median_ms(lambda: copy.copy_(raw), args.repeat)
+    rows = [{"form": "device copy", "ms": copy_ms, "gbps": n / copy_ms / 1e6}]
+    want = {k: checksums(v) for k, v in forms.items()}
+    for tile in args.tiles.split(","):
+        shape, block_rows = tile.split("/")
+        ck._ROWS, ck._WARPS = (int(x) for x in shape.split("x"))
+        ck.BLOCK_ROWS = int(block_rows)
+        for k, ts in forms.items():
+            assert checksums(ts) == want[k], (tile, k)
+            ms = median_ms(lambda ts=ts: checksums(ts), args.repeat)
+            nbytes = sum(t.numel() for t in ts)
+            rows.append({"form": k, "tile": tile, "ms": ms, "gbps": nbytes / ms / 1e6})
+    ms = median_ms(lambda: _checksum_torch(raw).item(), 3, warmup=1)
+    rows.append({"form": "int32 words, torch form", "ms": ms, "gbps": n / ms / 1e6})
+
+    print(f"{n / 1e9:.2f} GB on {torch.cuda.get_device_name()}")
+    print("| form | tile | ms | GB/s | end to end with a copy, GB/s |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        both = 1 / (1 / r["gbps"] + 1 / rows[0]["gbps"]) if r is not rows[0] else r["gbps"]
+        print(f"| {r['form']} | {r.get('tile', '')} | {r['ms']:.2f} | {r['gbps']:.0f} | {both:.0f} |")
+    write_results(args.out, {"device": torch.cuda.get_device_name(), "bytes": n, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

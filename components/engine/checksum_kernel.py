@@ -1,0 +1,130 @@
+"""The checksum's device kernel (checksum.py): the three sums it mixes, per block of words, in one
+read of the words.
+
+checksum.py lays a tensor's n words out as rows of 251 and sums, mod 2**64 (wrapping int64),
+S = sum w_i, C = sum w_i * (i % 251 + 1) and R = sum w_i * ((i // 251) % 257 + 1). Wrapping sums
+are order-free, so any split of the words into blocks gives the same totals.
+
+Why it is built this way:
+
+* One program sums one block of BLOCK_ROWS whole rows; a table on the device says where each
+  block's words are (address, count, the row weight its first row starts at, which tensor), so
+  every block of every tensor of one word type is one launch: checksums() of a model's thousands
+  of tensors costs a few launches, not thousands.
+* A block is read as tiles of [ROWS, 256] words with a row stride of 251 (lanes 251..255 masked):
+  a word's column weight is its lane's and its row weight its tile row's, so no word needs a
+  division, and each word is read once (the torch form reads it twice, ten kernels per chunk).
+* A tile is summed over its rows into per-lane int64 accumulators, reduced across lanes once per
+  program: the tile's rows of a lane sit in one thread, so the loop body is a load, a 64-bit add
+  and a widening multiply-add per word (row weights are alike in all threads: uniform registers), and
+  few registers, so many loads are in flight. A block's sums stay far below 2**63: none wraps here.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_ROWS = 512  # rows of 251 words per program: ~0.5 MB of int32 words, thousands of programs a GB
+_ROWS = 8  # rows per tile
+_LANES = 256  # a row's 251 words, padded to a power of two
+_WARPS = 4
+_WORD_TYPES = {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
+
+
+@triton.jit
+def _block_sums(
+    table,
+    out,
+    WORD: tl.constexpr,
+    COLS: tl.constexpr,
+    ROW_MOD: tl.constexpr,
+    ROWS: tl.constexpr,
+    LANES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    entry = table + pid * 4
+    words = tl.load(entry).to(tl.pointer_type(WORD))
+    n = tl.load(entry + 1).to(tl.int32)
+    phase = tl.load(entry + 2).to(tl.int32)  # (global row of the block's first word) % ROW_MOD
+    tl.static_assert(ROWS <= ROW_MOD)  # a tile's row weights wrap at most once
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, LANES)
+    offs = r[:, None] * COLS + c[None, :]
+    in_row = c[None, :] < COLS
+    col_acc = tl.zeros([LANES], tl.int64)
+    row_acc = tl.zeros([LANES], tl.int64)
+    for row in range(0, tl.cdiv(n, COLS), ROWS):
+        start = row * COLS
+        w = tl.load(words + start + offs, mask=in_row & (offs < n - start), other=0).to(tl.int64)
+        rw = phase + r
+        rw = tl.where(rw >= ROW_MOD, rw - ROW_MOD, rw) + 1
+        # Over the tile's rows, which one thread holds per lane: no data crosses threads here.
+        col_acc += tl.sum(w, axis=0)
+        row_acc += tl.sum(w * rw[:, None].to(tl.int64), axis=0)
+        phase = (phase + ROWS) % ROW_MOD
+    tl.store(out + pid * 3, tl.sum(col_acc))
+    tl.store(out + pid * 3 + 1, tl.sum(col_acc * (c + 1).to(tl.int64)))
+    tl.store(out + pid * 3 + 2, tl.sum(row_acc))
+
+
+def _table(words: list[torch.Tensor], idx: list[int], cols: int, row_mod: int, block_rows: int) -> torch.Tensor:
+    """[blocks, 4] int64 on the host: (address, words, row phase, tensor index) of each block of the
+    words[i] for i in idx, a tensor's blocks in order."""
+    block = block_rows * cols
+    n = torch.tensor([words[i].numel() for i in idx], dtype=torch.int64)
+    addr = torch.tensor([words[i].data_ptr() for i in idx], dtype=torch.int64)
+    size = torch.tensor([words[i].element_size() for i in idx], dtype=torch.int64)
+    blocks = (n + block - 1) // block
+    owner = torch.repeat_interleave(torch.arange(len(idx)), blocks)
+    k = torch.arange(owner.numel()) - (blocks.cumsum(0) - blocks)[owner]  # block number within its tensor
+    return torch.stack(
+        [
+            addr[owner] + k * block * size[owner],
+            (n[owner] - k * block).clamp(max=block),
+            k * block_rows % row_mod,
+            torch.tensor(idx, dtype=torch.int64)[owner],
+        ],
+        1,
+    )
+
+
+def block_sums(
+    words: list[torch.Tensor], cols: int, row_mod: int, block_rows: int = BLOCK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, C, R) of every block of the 1-D word tensors `words` (int32, int16 or uint8, one
+    device), launched on the current stream without a sync: ([blocks, 3] int64, [blocks] index into
+    `words` of each block's tensor). The word tensors may be freed once this returns: the
+    allocator reuses their memory in stream order, after the kernels."""
+    dev = words[0].device
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, w in enumerate(words):
+        if w.numel():
+            groups.setdefault(w.dtype, []).append(i)
+    if not groups:
+        return torch.empty(0, 3, dtype=torch.int64, device=dev), torch.empty(0, dtype=torch.int64, device=dev)
+    tables = [(dt, _table(words, idx, cols, row_mod, block_rows)) for dt, idx in groups.items()]
+    host = torch.cat([t for _, t in tables])
+    if dev.type == "cuda":
+        host = host.pin_memory()  # the copy is then asynchronous, like the kernels behind it
+    table = host.to(dev, non_blocking=True)
+    out = torch.empty(table.shape[0], 3, dtype=torch.int64, device=dev)
+    start = 0
+    with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():  # launch on the words' GPU
+        for dt, t in tables:
+            end = start + t.shape[0]
+            _block_sums[(t.shape[0],)](
+                table[start:end],
+                out[start:end],
+                WORD=_WORD_TYPES[dt],
+                COLS=cols,
+                ROW_MOD=row_mod,
+                ROWS=_ROWS,
+                LANES=_LANES,
+                num_warps=_WARPS,
+            )
+            start = end
+    return out, table[:, 3]

@@ -1,0 +1,133 @@
+"""The checksum (components/engine/checksum.py) is the three weighted word sums its docstring names,
+and its Triton kernel (checksum_kernel.py, what a GPU runs) gives the torch form's value bit for
+bit: for every word type, sizes around a row and a block, several blocks, unaligned views, many
+tensors at once. On the CPU the kernel runs under Triton's interpreter in a subprocess (as in
+test_triton_kernels.py); on a GPU compiled, and over more than 2**31 bytes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from components.engine.checksum import _CHUNK_WORDS, _MIX_COL, _MIX_ROW, _checksum_torch, _words, checksum, checksums
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_BLOCK_ROWS = 16  # many blocks from small tensors (the interpreter is slow)
+
+
+def weighted_sums(t: torch.Tensor) -> int:
+    """The checksum as the docstring defines it: S + C * _MIX_COL + R * _MIX_ROW mod 2**64 over the
+    words, sign-extended (int32, int16) or zero-extended (bytes) to int64."""
+    w = _words(t).numpy()
+    s = c = r = 0
+    for start in range(0, w.size, 1 << 22):
+        x = w[start : start + (1 << 22)].astype(np.int64)
+        i = np.arange(start, start + x.size, dtype=np.int64)
+        s += int(x.sum(dtype=np.int64))
+        c += int((x * (i % 251 + 1)).sum(dtype=np.int64))
+        r += int((x * ((i // 251) % 257 + 1)).sum(dtype=np.int64))
+    v = (s + c * _MIX_COL + r * _MIX_ROW) % 2**64
+    return v - 2**64 if v >= 2**63 else v
+
+
+def cases(block_rows: int) -> dict[str, torch.Tensor]:
+    """CPU tensors around the edges of a row (251 words) and of a block of `block_rows` rows."""
+    g = torch.Generator().manual_seed(0)
+    b = block_rows * 251
+    ints = torch.randint(-(2**31), 2**31 - 1, (3 * b + 1000,), dtype=torch.int32, generator=g)
+    bf = torch.randn(2 * b + 7, generator=g).to(torch.bfloat16)
+    raw = torch.randint(0, 256, (b + 13,), dtype=torch.uint8, generator=g)
+    return {
+        "empty": torch.empty(0),
+        "0-dim": torch.tensor(3.0),
+        "one byte": torch.tensor([200], dtype=torch.uint8),
+        "one word": ints[:1],
+        "row - 1": ints[:250],
+        "row": ints[:251],
+        "row + 1": ints[:252],
+        "block - 1": ints[: b - 1],
+        "block": ints[:b],
+        "block + 1": ints[: b + 1],
+        "blocks and a partial row": ints,
+        "largest words": torch.full((b + 5,), 2**31 - 1, dtype=torch.int32),
+        "smallest words": torch.full((b + 5,), -(2**31), dtype=torch.int32),
+        "fp32": torch.randn(b // 2 + 3, generator=g),
+        "int16 words": bf,
+        "int16 words at an odd offset": bf[1:-1],
+        "int32 words at an unaligned offset (copied)": bf[1:],
+        "bytes": raw,
+        "bytes at an odd offset": raw[3:-1],
+        "int16 words at an odd byte offset (copied)": raw[3:],
+    }
+
+
+def check_kernel(device: str, block_rows: int) -> None:
+    """Every case alone and all of them in one call (three word types, empty ones between)."""
+    from components.engine.checksum import _kernel_checksums
+
+    ts = {k: v.to(device) for k, v in cases(block_rows).items()}
+    want = {k: int(_checksum_torch(v)) for k, v in ts.items()}
+    got = dict(zip(ts, _kernel_checksums(list(ts.values()), block_rows).tolist()))
+    assert got == want, [k for k in ts if got[k] != want[k]]
+    for k, v in ts.items():
+        assert _kernel_checksums([v], block_rows).tolist() == [want[k]], k
+
+
+def _interpreted() -> None:
+    """Run in the subprocess: the kernel interpreted on CPU tensors, small blocks and the real size."""
+    from harness.triton_interpreter import enable
+
+    enable()
+    check_kernel("cpu", SMALL_BLOCK_ROWS)
+    from components.engine.checksum import _kernel_checksums
+    from components.engine.checksum_kernel import BLOCK_ROWS
+
+    x = torch.randint(-(2**31), 2**31 - 1, (2 * BLOCK_ROWS * 251 + 300,), dtype=torch.int32)
+    assert _kernel_checksums([x]).tolist() == [int(_checksum_torch(x))]
+
+
+def test_checksum_is_the_weighted_word_sums():
+    """The torch form (chunks, partial last row) computes S + C * _MIX_COL + R * _MIX_ROW: here
+    also across checksum chunks, and with C and R past 2**63 (wrapped)."""
+    ts = cases(SMALL_BLOCK_ROWS)
+    ts["chunks"] = torch.randint(-(2**31), 2**31 - 1, (2 * _CHUNK_WORDS + 1000,), dtype=torch.int32)
+    n = 40_000_000  # C and R near n * 2**31 * 127 > 2**63
+    ts["wrapping"] = torch.full((n,), 2**31 - 1, dtype=torch.int32)
+    for k, t in ts.items():
+        assert checksum(t) == weighted_sums(t), k
+
+
+def test_checksum_kernel_under_the_interpreter_on_cpu():
+    code = "from tests.test_checksum import _interpreted; _interpreted()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_rows", [SMALL_BLOCK_ROWS, None], ids=["small blocks", "real blocks"])
+def test_checksum_kernel_on_cuda(block_rows):
+    """Compiled, against the torch form on the GPU and against the CPU through the public calls."""
+    from components.engine.checksum_kernel import BLOCK_ROWS
+
+    check_kernel("cuda", block_rows or BLOCK_ROWS)
+    ts = cases(block_rows or BLOCK_ROWS)
+    assert checksums([t.cuda() for t in ts.values()]) == checksums(ts.values())
+
+
+@pytest.mark.gpu
+def test_checksum_kernel_over_2_gib_on_cuda():
+    """3 GiB of large words (C and R wrap; byte offsets past 2**31) and bf16 views of it at an odd
+    offset: 16-bit words read in place, and 32-bit words realigned by a copy."""
+    n = 3 << 28
+    x = torch.randint(2**30, 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
+    h = x.view(torch.bfloat16)
+    for t in (x, h[1:], h[1:-1]):
+        assert checksum(t) == int(_checksum_torch(t)), (t.dtype, t.numel())
+    before = checksum(x)
+    x[n // 2] ^= 1
+    assert checksum(x) == int(_checksum_torch(x)) != before
