@@ -51,11 +51,11 @@ class RankConfig(msgspec.Struct, frozen=True):
     max_batched_tokens: int = 256
     min_ranks: int = 1  # fewest active ranks that must hold every expert: sizes the expert slots
     redundant_experts: int = 0
-    # Outputs that do not change with the load (Scheduler's batch-invariant policy, one decode graph
-    # of max_seqs rows); False: mixed steps and a graph per power of two, outputs in bf16 then
-    # change with what else runs.
+    # Outputs that do not change with the load (Scheduler's batch-invariant policy; graphs as
+    # decode_graph_sizes chooses them); False: mixed steps and a graph per power of two, outputs
+    # in bf16 then change with what else runs.
     batch_invariant: bool = True
-    # Decode batch sizes captured on CUDA; None: decode_graph_sizes's choice; (): eager.
+    # Row counts captured as CUDA graphs; None: decode_graph_sizes's choice; (): eager.
     cuda_graph_sizes: tuple[int, ...] | None = None
     idle_wait_s: float = 0.002
     ep_timeout_s: float = 30.0
