@@ -65,6 +65,21 @@ def gone_within(pid: int, timeout_s: float) -> bool:
     return not alive(pid)
 
 
+def freeze(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it is stopped: kill() returns before the
+    stop lands, and a thread still running could answer one more request (a UCX progress thread
+    serving a READ), which a test of a frozen peer would take for the peer's answer."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {t.joinpath("stat").read_text().split(") ", 1)[1][0] for t in Path(f"/proc/{pid}/task").iterdir()}
+        if states <= {"T", "t"}:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} did not stop within {timeout_s}s (thread states {sorted(states)})")
+        time.sleep(0.005)
+
+
 def pids_with_env(marker: str) -> set[int]:
     """Live processes whose environment holds `marker` (a graph's unique discovery dir)."""
     needle = marker.encode()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import torch
 from components.engine.ep_comm import EPError
 from components.engine.ep_nixl import NixlCommunicator
 from harness.ep_peer import digest, payload, wait_files, write_atomic
+from harness.server import freeze
 
 ROOT = Path(__file__).resolve().parent.parent
 CAP = 1 << 16
@@ -205,7 +205,7 @@ def test_dead_or_hung_peer_raises_within_timeout(tmp_path, how):
         procs[victim].kill()
         procs[victim].wait()
     else:
-        procs[victim].send_signal(signal.SIGSTOP)
+        freeze(procs[victim].pid)
     write_atomic(tmp_path / "killed", b"")
     try:
         results = _join(tmp_path, procs[:victim])

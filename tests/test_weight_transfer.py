@@ -7,7 +7,6 @@ byte-for-byte against the same function.
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from components.engine.checksum import checksum, checksums
 from components.engine.weight_store import WeightStore, WeightTransferError
 from components.protocol.placement import Placement
 from components.protocol.transfer import PullItem, SourceLoss, replan, spread
+from harness.server import freeze
 from harness.weight_peer import N_SLOTS, NON_EXPERT, Sources, fresh_like, make_weights
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,7 +218,7 @@ def test_source_vanishes_between_pulls(tmp_path, expected, how):
                 if how == "stop, then kill":
                     local.pull([PullItem(4, "embed", "embed")], m, timeout_s=30)
                     threading.Timer(0.5, s.procs[4].kill).start()
-                s.procs[4].send_signal(signal.SIGSTOP)
+                freeze(s.procs[4].pid)
             timeout = 2.0
             t0 = time.monotonic()
             with pytest.raises(WeightTransferError, match=r"rank 4") as ei:
@@ -248,7 +248,7 @@ def test_a_dropped_source_costs_only_its_items(tmp_path, expected):
         w = make_weights(4)
         with WeightStore(8, fresh_like(w)) as local:
             local.pull([PullItem(5, "embed", "embed")], m, timeout_s=30)  # connected: READs to it get posted
-            s.procs[5].send_signal(signal.SIGSTOP)
+            freeze(s.procs[5].pid)
             items = [PullItem(4, "norm", "norm"), PullItem(5, "attn.qkv", "attn.qkv"), PullItem(5, "odd", "odd")]
             threading.Timer(0.5, local.drop_sources, [{m[5].agent: "rank 5 failed (the test says)"}]).start()
             stats = local.pull(items, m, timeout_s=120, partial=True)
