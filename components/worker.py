@@ -865,6 +865,7 @@ def baked(spec_path: str) -> None:
     part of no group, with no NIXL agent and no sockets. It blocks reading stdin, where it is
     dumped; each copy restored from the image reads its RestoreIdentity there and serves."""
     from snapshot.bake import BakeSpec, warm_for_image
+    from snapshot.criu_image import join_restorer_network
 
     die_with_parent()  # the baker: a bake that failed leaves nothing behind
     # Imported before the dump, so that no copy pays for them (1-2 s here); importing them starts
@@ -881,6 +882,10 @@ def baked(spec_path: str) -> None:
     die_with_parent(0)
     log.info("warm; waiting to be dumped")
     who = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=RestoreIdentity)
+    # Before the runtime, the NIXL agent and their threads open anything: peers and discovery are
+    # in the restorer's network namespace, not in this copy's own.
+    if join_restorer_network():
+        log.info("rank %d: joined the restorer's network namespace", who.rank)
     server.restored(who)
     log.info("rank %d: restored from snapshot %s", who.rank, who.snapshot)
     asyncio.run(serve(who.rank, True, server))

@@ -31,17 +31,22 @@ What CRIU accepts, and why this module does what it does (measured with trixie's
   something other than stdin's file (all three on /dev/null cannot be told apart). restore(stdin=...)
   does the same for stdin: a process dumped while reading a pipe gets each copy's own pipe, the
   channel through which a copy learns who it is.
-- Listening unix sockets bound to a path, and abstract ones, are restored bound again: two copies
-  of one image collide on them. A process meant to be copied opens its sockets after the restore
-  (e.g. on a signal) and closes them before the dump. Held file locks need `--file-locks`, and
+- Listening unix sockets are restored bound again. Abstract names belong to a network namespace:
+  each copy is restored into a network namespace of its own (snapshot.nsinit runs criu in one), so
+  copies never collide on them, and a copy calls join_restorer_network() before it opens any
+  socket of its own, to reach its peers where they are. Names in the filesystem are shared by
+  every copy: a process meant to be copied opens such sockets after the restore (e.g. on a
+  signal) and closes them before the dump. Held file locks need `--file-locks`, and
   established TCP connections `--tcp-established`; neither is passed (a worker holds none when
   it is dumped).
 - A process with a NIXL agent open is refused: UCX keeps a deleted shared-memory file
   (/dev/shm/ucx_shm_posix_*, 4 MiB) over CRIU's limit for such files. The engine rank drops its
   agent first (comm.suspend()) and opens a new one after the restore (comm.resume()).
 - A CUDA process is dumped after snapshot.cuda_checkpoint.checkpoint() moved its GPU memory to
-  the host, and restored before cuda_checkpoint.restore() (no CRIU plugin); each concurrent copy
-  then needs its own network namespace, as the driver holds an abstract unix socket.
+  the host, and restored before cuda_checkpoint.restore() (no CRIU plugin). The driver holds an
+  abstract unix socket named after the dumped process (`@cuda-uvmfd-<pid namespace>-<pid>@`):
+  in one network namespace a second concurrent copy failed to bind it (H200); the copy's own
+  network namespace is what avoids that.
 
 Every image file's sha256 is written to criu-image.json at the dump; restore() refuses an image
 whose files do not match it, naming the file.
@@ -76,6 +81,7 @@ RESUMED = "resumed"  # written by the post-resume action script: the copy's PID 
 EXIT_STATUS = "exit"  # written by snapshot.nsinit: the copy's exit code
 NSINIT = Path(__file__).with_name("nsinit.py")
 MANIFEST_MAX_BYTES = 1 << 20
+_CLONE_NEWNET = 0x40000000  # os.CLONE_NEWNET from Python 3.12
 # Logged by criu in every run as root inside a PID namespace, and harmless.
 _NOISE = ("RLIMIT_NOFILE",)
 # Runs inside the copy's namespace once its tasks have resumed (CRIU's post-resume action).
@@ -402,3 +408,28 @@ def restore(
         unshare.wait()
         raise CriuError(f"criu restore of {d}: the restored process (pid {ns_pid} inside) was not found")
     return Restored(unshare, os.pidfd_open(inits[0]), pids[0], ns_pid, workdir)
+
+
+def join_restorer_network() -> bool:
+    """In a copy restore() made: move the calling thread, and every thread it starts from now on,
+    out of the copy's own network namespace into the one it was restored from, where discovery
+    and peers are (its PID namespace's init, snapshot.nsinit, stayed there). Call it before
+    starting threads or opening sockets: threads restored from the image, and the sockets it
+    held, stay where they were restored. Returns whether it moved (False: not such a copy)."""
+    ours, init = os.stat("/proc/thread-self/ns/net"), os.stat("/proc/1/ns/net")
+    if (ours.st_dev, ours.st_ino) == (init.st_dev, init.st_ino):
+        return False
+    fd = os.open("/proc/1/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if hasattr(os, "setns"):  # Python 3.12
+            os.setns(fd, os.CLONE_NEWNET)
+        else:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns(network namespace of pid 1): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    return True

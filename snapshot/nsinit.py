@@ -17,21 +17,46 @@ a pidfd of the process that restored the copy (--parent-fd) and the graph's outp
 at the fixed descriptors below, where the copy takes them (components.worker: pidfd_getfd on
 PID 1, /proc/1/fd/OUTPUT_FD) to watch them as a cold joiner watches its graph and its router.
 
+criu, and so the copy, run in a network namespace of their own, its loopback up (criu's kernel
+probes connect over it): abstract unix socket names are per network namespace, and every copy
+restores the ones the dumped process held (the CUDA driver holds one), which would collide in a
+shared namespace. This init stays in the restorer's, where the copy finds it again
+(snapshot.criu_image.join_restorer_network: /proc/1/ns/net).
+
 Stdlib only, run with -I -S: it starts in tens of milliseconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import fcntl
 import os
 import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
 
 GRAPH_FD, PARENT_FD, OUTPUT_FD = 3, 4, 5
 GRACE_S = 10.0
+CLONE_NEWNET, SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x40000000, 0x8913, 0x8914, 0x1
+
+
+def _own_network() -> None:
+    """In criu's process, before it execs: a new network namespace with its loopback up."""
+    if hasattr(os, "unshare"):  # Python 3.12
+        os.unshare(CLONE_NEWNET)
+    else:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack_from("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14x", b"lo", 0)))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
 def _hold(fds: dict[int, int]) -> None:
@@ -55,7 +80,7 @@ def main() -> int:
     argv = a.criu[1:] if a.criu[:1] == ["--"] else a.criu
     _hold({GRAPH_FD: a.graph_fd, PARENT_FD: a.parent_fd, OUTPUT_FD: a.output_fd})
     # criu gets the descriptors it is to hand the copy (--inherit-fd, all above 15), not these.
-    r = subprocess.run(argv, stdin=subprocess.DEVNULL, close_fds=False)
+    r = subprocess.run(argv, stdin=subprocess.DEVNULL, close_fds=False, preexec_fn=_own_network)
     if r.returncode != 0:
         return r.returncode
     try:

@@ -59,18 +59,26 @@ while True:
             f.flush()
 """
 
-# 64 MiB of known data and a small state machine (warm -> serving -> stopped, a counter).
+# 64 MiB of known data and a small state machine (warm -> serving -> stopped, a counter), and an
+# abstract unix socket held listening, as the CUDA driver holds one: every copy restores it.
 CHILD = (
     r"""
-import hashlib, random, sys
+import hashlib, os, random, socket, sys
 data = random.Random(int(sys.argv[2])).randbytes(int(sys.argv[3]))
 phase, n = "warm", 0
 READY = ""
+held = socket.socket(socket.AF_UNIX)
+held.bind("\0elastic-ep-test-" + sys.argv[2])
+held.listen(1)
 
 def handle(cmd):
     global phase, n
     if cmd == "digest":
         return hashlib.sha256(data).hexdigest()
+    if cmd == "net":  # where this thread's sockets go, after joining the restorer's namespace
+        from snapshot.criu_image import join_restorer_network
+        moved = join_restorer_network()
+        return f"{moved} {os.stat('/proc/thread-self/ns/net').st_ino}"
     if cmd == "state":
         return f"{phase} {n}"
     if cmd == "start" and phase == "warm":
@@ -169,7 +177,8 @@ def image(work):
     """The child, taken to `serving 2`, dumped (and so killed)."""
     (work / "child.py").write_text(CHILD)
     log = work / "start.log"
-    p = spawn([sys.executable, str(work / "child.py"), str(work), str(SEED), str(DATA_BYTES)], log)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    p = spawn([sys.executable, str(work / "child.py"), str(work), str(SEED), str(DATA_BYTES)], log, env=env)
     try:
         wait_line(log, "ready")
         s = Session(p.pid, log)
@@ -219,7 +228,14 @@ def test_two_copies_of_one_image(image, work):
         a, b = copies
         assert a.ns_pid == b.ns_pid == dumped_pid  # each keeps the dumped PID inside its namespace
         assert len({a.pid, b.pid, dumped_pid}) == 3
+        # Each in a network namespace of its own, where it holds the abstract socket it was
+        # dumped with: in ours, the second copy's restore would fail to bind it.
+        ours = os.stat("/proc/self/ns/net").st_ino
+        assert len({ours, *(os.stat(f"/proc/{c.pid}/ns/net").st_ino for c in copies)}) == 3
+        for c in copies:
+            assert f"@elastic-ep-test-{SEED}" in Path(f"/proc/{c.pid}/net/unix").read_text()
         sa, sb = Session(a.pid, logs[0]), Session(b.pid, logs[1])  # both open at once
+        assert sa.ask("net") == f"True {ours}"  # what a restored worker does before it connects
         expected = hashlib.sha256(data).hexdigest()
         assert [sa.ask("digest"), sa.ask("state")] == [expected, "serving 2"]
         assert [sb.ask("digest"), sb.ask("state")] == [expected, "serving 2"]

@@ -426,11 +426,17 @@ def test_a_lost_source_without_another_holder_fails_the_operation_naming_both():
     ), ei.value
 
 
-def rolled_back(dead):
+class FenceFails(Ranks):
+    async def fence(self, rank: int, pid: int, op: str) -> None:
+        await super().fence(rank, pid, op)
+        raise PermissionError(f"[Errno 1] Operation not permitted: kill({pid})")
+
+
+def rolled_back(dead, ranks_cls=Ranks):
     """A scale-up 3 -> 4 whose commit of epoch 6 failed, rolled back at epoch 7 with `dead` found
     dead: the rollback's messages to each rank, the operation, and the placement before."""
     placement = balanced_placement(2, 8, 4, 4, [0, 1, 2])
-    ranks = Ranks([0, 1, 2, 3], dead=dead)
+    ranks = ranks_cls([0, 1, 2, 3], dead=dead)
     op = scaling.Operation(
         ScaleRequest(dp_size=4), Committed(epoch=5, active=[0, 1, 2], placement=placement), [], ranks, ranks,
         RouterConfig(), max_ranks=4, num_experts=8,
@@ -439,10 +445,19 @@ def rolled_back(dead):
     return ranks, op, placement
 
 
-def test_a_rollback_masks_out_a_serving_rank_found_dead_as_a_failover_would():
+@pytest.mark.parametrize("ranks_cls", [Ranks, FenceFails], ids=["fenced", "fencing fails"])
+def test_a_rollback_masks_out_a_serving_rank_found_dead_as_a_failover_would(ranks_cls, caplog):
     """Never an epoch with a dead rank active: rank 1 is fenced, the survivors stop waiting for it,
-    reload the experts it alone held, and go back to the old set without it."""
-    ranks, op, before = rolled_back(dead=[1])
+    reload the experts it alone held, and go back to the old set without it. A fence that fails
+    does not stop the rollback half-way (survivors left paused): it goes on and says so."""
+    ranks, op, before = rolled_back(dead=[1], ranks_cls=ranks_cls)
+    fence_errors = [r.getMessage() for r in caplog.records if "fencing rank" in r.getMessage()]
+    if ranks_cls is FenceFails:
+        assert fence_errors == [
+            f"[op {op.id}] fencing rank 1 failed, it may still run: [Errno 1] Operation not permitted: kill(101)"
+        ]
+    else:
+        assert fence_errors == []
     target = shrink(before, [1], 8)
     assert op.topology == Committed(epoch=7, active=[0, 2], placement=target) and op.record.masked == [1]
     assert ranks.fenced == [(1, 101)] and 1 not in ranks.statuses and ranks.messages(rank=1) == []

@@ -5,6 +5,7 @@ restores it instead of starting a process; restored processes die with the graph
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -108,6 +109,12 @@ def test_two_joiners_restored_from_one_image_serve_the_reference(server, snapsho
     assert all(ranks[r]["pid"] == copies[r][0] for r in joiners), (ranks, copies)
     inside = {ns_pid(pid) for pid, _ in copies.values()}
     assert len(inside) == 1 and inside != {pid for pid, _ in copies.values()}
+    # Each restored in a network namespace of its own (abstract socket names cannot collide), then
+    # back in ours before it opened anything: its peers and discovery are here.
+    ours = os.stat("/proc/self/ns/net").st_ino
+    for r in joiners:
+        assert f"rank {r}: joined the restorer's network namespace" in log
+        assert os.stat(f"/proc/{copies[r][0]}/ns/net").st_ino == ours
     # The graph gone, so are the restored processes, reaped (no zombie left).
     server.stop()
     deadline = time.monotonic() + 10

@@ -12,6 +12,7 @@ rank. It never outlives the graph: it watches `dynamo serve` itself (components/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import functools
 import logging
@@ -244,8 +245,9 @@ class LocalProvider:
             if busy:
                 # The CUDA driver holds an abstract unix socket named after the baked process's
                 # PID namespace and PID: every copy restores it, and in one network namespace
-                # the second copy's restore fails to bind it. Until each copy has a network
-                # namespace of its own, one restored CUDA copy at a time.
+                # the second copy's restore failed to bind it (H200). Each copy now gets a
+                # network namespace of its own (snapshot.nsinit), but a CUDA restore into one is
+                # untried on a GPU: one restored CUDA copy at a time until it is.
                 snap, why = None, f"Worker.{busy[0]} runs restored from a CUDA image: one such copy at a time"
             else:
                 self.cuda_copies.add(rank)
@@ -335,7 +337,8 @@ class LocalProvider:
             return
         if child is None:
             if pid is not None and not graceful:  # a parked rank that `dynamo serve` started
-                os.kill(pid, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
             return
         steps = [(signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)]
         for sig, wait in ([(None, 10.0)] if graceful else []) + steps:
@@ -366,7 +369,11 @@ class LocalProvider:
             return
         # A copy restored from a snapshot image has the baked process's argv (`--bake`).
         if b"components.worker" in argv and (str(rank).encode() in argv or b"--bake" in argv):
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # exited since its cmdline was read
+                log.info("[op %s] Worker.%d (pid %d) is already gone", op, rank, pid)
+                return
             log.warning("[op %s] Worker.%d (pid %d) fenced: SIGKILL", op, rank, pid)
 
     async def close(self) -> None:

@@ -486,6 +486,11 @@ class Operation:
             await self.call(involved, lambda r: Resume(), timeout)
         except Exception as e:
             await self.rollback(involved, epoch + 1, f"commit of epoch {epoch} failed: {e}")
+            if self.preempted and self.record.masked:  # the rollback did the failover's work
+                ranks, phase = ", ".join(map(str, self.record.masked)), self.phase.value
+                raise ScaleError(
+                    f"serving rank {ranks} failed during {phase}: rolled back without it at epoch {epoch + 1}"
+                ) from e
             raise
         downtime = time.monotonic() - t0
         self.topology = Committed(epoch=epoch, active=sorted(active), placement=placement)
@@ -545,9 +550,17 @@ class Operation:
         """Failed serving ranks can never act again (never two epochs: a stalled rank that comes
         back must find itself gone), and are no longer known."""
         for r in ranks:
-            if self._known(r):  # not yet fenced by an earlier attempt
+            if not self._known(r):  # fenced by an earlier attempt
+                continue
+            try:
                 await self.provider.fence(r, self.port.status(r).pid, self.id)
-                self.port.forget(r)
+            except Exception as e:
+                if not self.undoing:
+                    raise
+                # A rollback stopped here would leave the survivors paused: it masks the rank out
+                # all the same (no epoch lists it) and says that it may still be running.
+                log.error("[op %s] fencing rank %d failed, it may still run: %s", self.id, r, e)
+            self.port.forget(r)
 
     async def mask(self, failed: list[int], target: Placement, pause: list[int], gone: list[int]) -> None:
         """The steps that mask failed serving ranks out, before the epoch without them is
