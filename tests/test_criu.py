@@ -467,3 +467,75 @@ def test_engine_rank_restored():
         assert c.ns_pid == m.pid
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# A CUDA process: data on the GPU and a CUDA graph over it (after CUDA init and a capture the
+# driver holds its abstract unix socket, `@cuda-uvmfd-<pid namespace>-<pid>@`).
+CUDA_CHILD = (
+    r"""
+import torch
+x = torch.arange(1 << 20, dtype=torch.float32, device="cuda") * 3
+out = torch.empty_like(x)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    out.copy_(x * 2)
+torch.cuda.synchronize()
+READY = ""
+
+def handle(cmd):
+    if cmd == "sums":  # the captured graph over the data kept on the GPU, and a new kernel
+        g.replay()
+        return f"{float(out.double().sum()):.1f} {float((x + 1).double().sum()):.1f}"
+    return "unknown"
+"""
+    + SERVE
+)
+
+
+@pytest.mark.gpu
+def test_two_cuda_copies_of_one_image_at_once():
+    """What held the provider to one restored CUDA copy at a time: two copies of one CUDA image,
+    restored at once (each in its own network namespace, where it rebinds the driver's abstract
+    socket), each CUDA-restored and unlocked, replay the graph captured before the dump over the
+    data it had on the GPU, and run new kernels."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from snapshot import cuda_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="criu-"))
+    try:
+        (work / "child.py").write_text(CUDA_CHILD)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        p = spawn([sys.executable, str(work / "child.py"), str(work)], work / "start.log", env=env, cwd=REPO)
+        try:
+            wait_line(work / "start.log", "ready", timeout=300)
+            s = Session(p.pid, work / "start.log")
+            want = s.ask("sums")
+            s.close()
+            assert any("cuda-uvmfd" in ln for ln in Path(f"/proc/{p.pid}/net/unix").read_text().splitlines())
+            cuda_checkpoint.checkpoint(p.pid)
+            dump(p, work / "img")
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        logs = [work / f"copy{i}.log" for i in range(2)]
+        outs = [open(log, "ab") for log in logs]
+        copies = []
+        try:
+            copies = [restore(work / "img", output=out) for out in outs]  # both restored before either resumes CUDA
+            for c in copies:
+                cuda_checkpoint.restore(c.pid)
+            sessions = [Session(c.pid, log) for c, log in zip(copies, logs)]
+            assert [s.ask("sums") for s in sessions] == [want, want]
+            for s in sessions:
+                s.close()
+        finally:
+            for c in copies:
+                c.close()
+            for out in outs:
+                out.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
