@@ -355,8 +355,13 @@ def bake(
         raise ValueError(f"min_ranks ({min_ranks}) must be in 1..max_ranks ({max_ranks})")
     if cuda_graph_sizes and not device.startswith("cuda"):
         raise ValueError(f"cuda_graph_sizes are captured on CUDA only, not on {device}")
-    if cuda_graph_sizes and max(cuda_graph_sizes) > max_seqs:
-        raise ValueError(f"cuda_graph_sizes: {max(cuda_graph_sizes)} exceeds max_seqs ({max_seqs})")
+    if cuda_graph_sizes and max(cuda_graph_sizes) > max(max_seqs, max_batched_tokens):
+        # Decodes use graphs of up to max_seqs rows, prompt chunks (a token a row) up to
+        # max_batched_tokens; the engine would drop a larger size without a word.
+        raise ValueError(
+            f"cuda_graph_sizes: {max(cuda_graph_sizes)} exceeds both max_seqs ({max_seqs}) and "
+            f"max_batched_tokens ({max_batched_tokens}), the most rows a step has"
+        )
     # Fail before the expensive part.
     if out is not None:
         check_destination(out, force)

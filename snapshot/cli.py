@@ -340,7 +340,8 @@ def parser() -> argparse.ArgumentParser:
         type=_sizes,
         default=None,
         metavar="B,B,...",
-        help="decode batch sizes captured on CUDA (default: the engine's)",
+        help="row counts of the CUDA graphs captured: decode batches up to --max-seqs, prompt chunks a token a "
+        "row up to --max-batched-tokens (default: the engine's)",
     )
     b.add_argument(
         "--tier",

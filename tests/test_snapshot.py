@@ -420,6 +420,9 @@ def test_cli_bad_input(tmp_path, capsys):
     refused("--cuda-graph-sizes", "0", says="must be at least 1, got 0")
     refused("--cuda-graph-sizes", "1,2,99999", says="must be at most 4096")
     refused(*out, "--cuda-graph-sizes", "1,2", says="cuda_graph_sizes are captured on CUDA only")
+    # (a GPU machine's check; here the CLI first finds no GPU)
+    with pytest.raises(ValueError, match=r"128 exceeds both max_seqs \(8\) and max_batched_tokens \(64\)"):
+        bake(tmp_path / "y", device="cuda", max_seqs=8, max_batched_tokens=64, cuda_graph_sizes=(8, 128))
     refused(*out, "--device", "tpu", says="--device must be cpu, cuda or cuda:N, not 'tpu'")
     refused("--bogus", says="unrecognized arguments: --bogus")
     # where the snapshot cannot be written: found before the engine is built, not after
