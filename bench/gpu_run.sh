@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind the H200 numbers in bench/results (*_h200*.json), one step at a time:
 #   bench/gpu_run.sh tests pull scale handover decode
-# tests:    every gpu-marked test ($TESTS narrows the files).
+# tests:    every gpu-marked test ($TESTS narrows the files); the CRIU ones need CRIU (tools/criu-fetch.sh).
 # pull:     bench.weight_pull with 8 GB on one GPU, and from a second GPU when there is one; then
 #           bench.checksum (the pull's verification alone) on 8 GiB.
 # scale:    bench.scale, modes $MODES (default A,B,C; D and the restart come with C), on a 5.4 GiB
@@ -27,7 +27,7 @@ for step in "$@"; do
     tests)  # files named ($TESTS narrows them): collecting all of tests/ needs the client packages
         $PY -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu_elastic.py tests/test_engine.py \
             tests/test_ep_nixl.py tests/test_weight_transfer.py tests/test_vmm.py tests/test_snapshot.py \
-            tests/test_triton_kernels.py tests/test_checksum.py} || rc=1 ;;
+            tests/test_triton_kernels.py tests/test_checksum.py tests/test_criu.py tests/test_gpu_snapshot.py} || rc=1 ;;
     pull)
         $PY -m bench.weight_pull --mb 8192 --paths cuda-ipc,vmm-map --out "$OUT/weight_pull_h200.json" || rc=1
         if [ "$gpus" -gt 1 ]; then
