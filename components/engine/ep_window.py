@@ -105,7 +105,9 @@ def _wait_kernel(arrive, expect, mask, failed_addr, abort_addr, timeout_ns, NB: 
     r = tl.program_id(0)
     if tl.load(mask + r) != 0:
         target = tl.load(expect + r) + NB
-        abort = abort_addr.to(tl.pointer_type(tl.int32))
+        # Host addresses arrive as plain ints, which Triton types i32 when the value fits: widen
+        # before the cast to a pointer (a 32-bit int is no pointer on a 64-bit target).
+        abort = abort_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
         t0 = _now_ns()
         seen = tl.atomic_add(arrive + r, 0, sem="acquire", scope="sys")
         waiting = seen < target
@@ -116,7 +118,7 @@ def _wait_kernel(arrive, expect, mask, failed_addr, abort_addr, timeout_ns, NB: 
         if seen >= target:
             tl.store(expect + r, target)
         else:
-            tl.store(failed_addr.to(tl.pointer_type(tl.int32)) + r, 1)
+            tl.store(failed_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + r, 1)
 
 
 class PeerWindows:
