@@ -52,9 +52,14 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:  # a zombie still answers kill(0); it is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+        return _state(Path(f"/proc/{pid}/stat")) != "Z"
     except (FileNotFoundError, IndexError, ProcessLookupError):
         return False
+
+
+def _state(stat: Path) -> str:
+    """The state letter of a /proc/.../stat (after the command name, which may hold ") ")."""
+    return stat.read_text().rsplit(") ", 1)[1][0]
 
 
 def gone_within(pid: int, timeout_s: float) -> bool:
@@ -72,7 +77,7 @@ def freeze(pid: int, timeout_s: float = 10.0) -> None:
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout_s
     while True:
-        states = {t.joinpath("stat").read_text().split(") ", 1)[1][0] for t in Path(f"/proc/{pid}/task").iterdir()}
+        states = {_state(t / "stat") for t in Path(f"/proc/{pid}/task").iterdir()}
         if states <= {"T", "t"}:
             return
         if time.monotonic() > deadline:

@@ -73,6 +73,7 @@ import msgspec
 from components.graph.spawn import die_with_parent, graph_output
 from snapshot.criu import criu_version, find_criu
 from snapshot.manifest import SnapshotCorrupt, SnapshotError, _open_member, check_files, open_dir
+from snapshot.nsinit import join_network
 
 IMAGE_MANIFEST = "criu-image.json"
 DUMP_LOG = "dump.log"
@@ -81,7 +82,6 @@ RESUMED = "resumed"  # written by the post-resume action script: the copy's PID 
 EXIT_STATUS = "exit"  # written by snapshot.nsinit: the copy's exit code
 NSINIT = Path(__file__).with_name("nsinit.py")
 MANIFEST_MAX_BYTES = 1 << 20
-_CLONE_NEWNET = 0x40000000  # os.CLONE_NEWNET from Python 3.12
 # Logged by criu in every run as root inside a PID namespace, and harmless.
 _NOISE = ("RLIMIT_NOFILE",)
 # Runs inside the copy's namespace once its tasks have resumed (CRIU's post-resume action).
@@ -421,15 +421,7 @@ def join_restorer_network() -> bool:
         return False
     fd = os.open("/proc/1/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if hasattr(os, "setns"):  # Python 3.12
-            os.setns(fd, os.CLONE_NEWNET)
-        else:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.setns(fd, _CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"setns(network namespace of pid 1): {os.strerror(err)}")
+        join_network(fd)
     finally:
         os.close(fd)
     return True

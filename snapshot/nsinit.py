@@ -45,15 +45,25 @@ GRACE_S = 10.0
 CLONE_NEWNET, SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x40000000, 0x8913, 0x8914, 0x1
 
 
+def _libc(call: str, *args: int) -> None:
+    """os.unshare / os.setns where Python has them (3.12), libc's otherwise."""
+    if hasattr(os, call):
+        getattr(os, call)(*args)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, call)(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{call}: {os.strerror(err)}")
+
+
+def join_network(fd: int) -> None:
+    """Move the calling thread into the network namespace that `fd` (an nsfs file) names."""
+    _libc("setns", fd, CLONE_NEWNET)
+
+
 def _own_network() -> None:
     """In criu's process, before it execs: a new network namespace with its loopback up."""
-    if hasattr(os, "unshare"):  # Python 3.12
-        os.unshare(CLONE_NEWNET)
-    else:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.unshare(CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
+    _libc("unshare", CLONE_NEWNET)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         flags = struct.unpack_from("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14x", b"lo", 0)))[1]
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))

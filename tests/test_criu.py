@@ -30,6 +30,8 @@ from snapshot.manifest import SnapshotCorrupt
 SEED = 1234
 DATA_BYTES = 64 << 20
 REPO = Path(__file__).resolve().parents[1]
+# The children import the project's modules.
+REPO_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 # The children below print "ready" once set up, then, on each SIGUSR1, serve one connection on a
 # new unix socket whose random name they print: a copy restored from an image opens its own
@@ -177,8 +179,7 @@ def image(work):
     """The child, taken to `serving 2`, dumped (and so killed)."""
     (work / "child.py").write_text(CHILD)
     log = work / "start.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    p = spawn([sys.executable, str(work / "child.py"), str(work), str(SEED), str(DATA_BYTES)], log, env=env)
+    p = spawn([sys.executable, str(work / "child.py"), str(work), str(SEED), str(DATA_BYTES)], log, env=REPO_ENV)
     try:
         wait_line(log, "ready")
         s = Session(p.pid, log)
@@ -267,9 +268,8 @@ def restorer(img: Path, log: Path, dies_with: int = 0) -> subprocess.Popen:
         "print(c.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     argv = [sys.executable, "-c", code, str(img), str(log), str(dies_with)]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd=REPO)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, env=REPO_ENV, cwd=REPO)
 
 
 def test_a_copy_dies_with_the_process_that_restored_it(image, work):
@@ -448,8 +448,7 @@ def test_engine_rank_restored():
     work = Path(tempfile.mkdtemp(prefix="criu-"))
     try:
         (work / "child.py").write_text(ENGINE_CHILD)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        p = spawn([sys.executable, str(work / "child.py"), str(work)], work / "start.log", env=env, cwd=REPO)
+        p = spawn([sys.executable, str(work / "child.py"), str(work)], work / "start.log", env=REPO_ENV, cwd=REPO)
         try:
             tokens = json.loads(wait_line(work / "start.log", "ready ", timeout=300).split(" ", 1)[1])
             m = dump(p, work / "img")
@@ -507,8 +506,7 @@ def test_two_cuda_copies_of_one_image_at_once():
     work = Path(tempfile.mkdtemp(prefix="criu-"))
     try:
         (work / "child.py").write_text(CUDA_CHILD)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        p = spawn([sys.executable, str(work / "child.py"), str(work)], work / "start.log", env=env, cwd=REPO)
+        p = spawn([sys.executable, str(work / "child.py"), str(work)], work / "start.log", env=REPO_ENV, cwd=REPO)
         try:
             wait_line(work / "start.log", "ready", timeout=300)
             s = Session(p.pid, work / "start.log")
