@@ -65,8 +65,10 @@ def reference():
 
 
 def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(server, reference):
-    assert scale(server, 4)["phase"] == "done"  # ranks 2 and 3: joiners this router started
-    assert scale(server, 3)["phase"] == "done"  # rank 3 parked
+    up = scale(server, 4)
+    assert up["phase"] == "done", up  # ranks 2 and 3: joiners this router started
+    down = scale(server, 3)
+    assert down["phase"] == "done", down  # rank 3 parked
     before = server.topology()
     assert before["active"] == [0, 1, 2]
     pids = {r["rank"]: r["pid"] for r in before["ranks"]}
@@ -137,7 +139,8 @@ def test_a_commit_the_killed_router_left_half_done_is_completed_by_the_next(serv
     """The joiner stalls in Configure (injected) while the serving ranks are paused and already
     configured for the new epoch: the router dies there. The next one finds the ranks on two
     epochs, paused, the joiner staged, and commits the newest topology again under a new epoch."""
-    assert scale(server, 3)["phase"] == "done"  # rank 3 parks
+    down = scale(server, 3)
+    assert down["phase"] == "done", down  # rank 3 parks
     epoch = server.topology()["epoch"]
     counted = counters(server)
     r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_on=configure,stall_s=6"})
