@@ -101,7 +101,7 @@ def test_the_latest_target_wins(monkeypatch):
 
     class Op:  # an operation that runs until the test lets it finish
         gate = asyncio.Event()
-        preempted = False  # no serving rank fails here
+        preempted, gave_way_to = False, []  # no serving rank fails here
 
         def __init__(self, req, topology, *rest, **kw):
             self.req, self.topology = req, topology
@@ -493,6 +493,88 @@ def test_a_rollback_with_every_rank_alive_goes_back_to_the_old_set():
         ], r
 
 
+class DiesInCommit(Ranks):
+    """Rank 1's process dies while joiner 3 holds its Resume back; only the capacity provider
+    knows it yet (the router has not looked since)."""
+
+    died = False
+
+    async def send(self, rank: int, msg) -> m.ControlReply:
+        if isinstance(msg, m.Resume) and rank == 3 and not self.died:
+            self.died = True
+            await asyncio.Event().wait()  # until the operation stops waiting
+        return await super().send(rank, msg)
+
+    def alive(self, rank: int):
+        return False if rank == 1 and self.died else None
+
+
+def test_a_serving_rank_its_provider_finds_dead_in_a_commit_is_rolled_out_and_the_target_kept():
+    """However the death is found first (the provider's process watch or the router's status
+    round), the commit gives way to it: its rollback masks rank 1 out, the error says so, and the
+    scaler learns that rank 1 failed and that the target still stands."""
+    before = balanced_placement(2, 8, 4, 4, [0, 1, 2])
+    target = balanced_placement(2, 8, 4, 4, [0, 1, 2, 3])
+    ranks = DiesInCommit([0, 1, 2, 3])
+    op = scaling.Operation(
+        ScaleRequest(dp_size=4), Committed(epoch=5, active=[0, 1, 2], placement=before), [], ranks, ranks,
+        RouterConfig(), max_ranks=4, num_experts=8,
+    )  # fmt: skip
+    op.phase = Phase.COMMITTING
+    with pytest.raises(scaling.ScaleError) as ei:
+        asyncio.run(op.commit([0, 1, 2, 3], target, involved=[0, 1, 2, 3]))
+    assert str(ei.value) == "serving rank 1 failed during committing: rolled back without it at epoch 7"
+    assert op.preempted and op.gave_way_to == [1] and op.record.masked == [1]
+    assert op.topology == Committed(epoch=7, active=[0, 2], placement=shrink(before, [1], 8))
+    assert ranks.fenced == [(1, 101)]
+
+
+def test_an_operation_that_gave_way_is_followed_by_the_failover_then_its_target(monkeypatch):
+    """A scale-up cut short by rank 1, found dead by its provider before the router looked: the
+    failover of rank 1 runs next (the router would otherwise find it a status round later, after
+    a retry that fails on it again), then the scale-up again."""
+    started: list[tuple[list[int], int, bool]] = []
+
+    class Op:
+        def __init__(self, req, topology, load, port, provider, cfg, max_ranks, num_experts, failed=(), **kw):
+            self.req, self.topology, self.failed = req, topology, list(failed)
+            self.preempted, self.gave_way_to = False, []
+            kind = "failover" if failed else "up"
+            self.id = f"{kind}-{req.dp_size}"
+            self.record = OpRecord(
+                id=self.id, kind=kind, mode=req.mode, from_size=len(topology.active),
+                to_size=req.dp_size, phase="queued", joiners=[], leaving=list(failed), phases={},
+            )  # fmt: skip
+
+        async def execute(self, load_now):
+            started.append((self.topology.active, self.req.dp_size, bool(self.failed)))
+            if len(started) == 1:
+                self.preempted, self.gave_way_to, self.record.phase = True, [1], "aborted"
+                return self.topology
+            if self.failed:
+                self.record.phase, self.record.masked = "done", self.failed
+                return Committed(epoch=2, active=[0, 2], placement=None)
+            self.record.phase = "done"
+            return Committed(epoch=3, active=list(range(self.req.dp_size)), placement=None)
+
+    monkeypatch.setattr(scaling, "Operation", Op)
+
+    async def run():
+        owner, ready = Owner(), asyncio.Event()
+        owner.committed = Committed(epoch=1, active=[0, 1, 2], placement=None)
+        scaler = Scaler(owner, None, None, RouterConfig(), max_ranks=4)
+        task = asyncio.create_task(scaler.run(ready))
+        ready.set()
+        scaler.request(ScaleRequest(dp_size=4))
+        await scaler.wait_idle()
+        task.cancel()
+        return owner, scaler
+
+    owner, scaler = asyncio.run(run())
+    assert started == [([0, 1, 2], 4, False), ([0, 1, 2], 2, True), ([0, 2], 4, False)]
+    assert owner.committed.active == [0, 1, 2, 3] and not scaler.failing
+
+
 @pytest.mark.parametrize(
     "end, then",
     [
@@ -509,7 +591,7 @@ def test_ranks_an_operation_masked_out_are_replaced(monkeypatch, end, then):
     scalers: list[Scaler] = []
 
     class Op:
-        preempted = False
+        preempted, gave_way_to = False, []
 
         def __init__(self, req, topology, *rest, **kw):
             self.req, self.topology, self.id = req, topology, f"to-{req.dp_size}"

@@ -360,9 +360,16 @@ class RouterService:
     async def refresh(self, provider: CapacityProvider) -> None:
         """Every status_interval_s: ask every rank for its status (its heartbeat), and fail over
         serving ranks that are found dead."""
+        # A rank that does not answer holds only its own probe up (until rank_timeout_s): the
+        # others are asked, and dead processes found, every interval all the same.
+        probes: dict[int, asyncio.Task] = {}
+        interval = self.cfg.status_interval_s
         while True:
-            await asyncio.sleep(self.cfg.status_interval_s)
-            await asyncio.gather(*(self._probe(r) for r in list(self.instances)))
+            await asyncio.sleep(interval)
+            probes = {r: t for r, t in probes.items() if not t.done()}
+            probes.update({r: asyncio.create_task(self._probe(r)) for r in self.instances if r not in probes})
+            if probes:
+                await asyncio.wait(probes.values(), timeout=interval)
             failed = self.find_failed(provider)
             if failed:
                 self.scaler.fail(sorted(failed))

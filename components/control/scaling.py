@@ -173,6 +173,7 @@ class Operation:
         # Undoing itself (abort, rollback): a serving rank failing no longer cuts its calls short.
         self.undoing = False
         self.preempted = False  # cut short because a serving rank failed: the failover goes first
+        self.gave_way_to: list[int] = []  # those serving ranks
         self._background: set[asyncio.Future] = set()
         self.pause_t0: float | None = None  # mode A: when serving stopped
 
@@ -247,6 +248,7 @@ class Operation:
         """The group stopped serving (its collectives wait for the failed rank): the failover must
         not wait for this operation."""
         self.preempted = True
+        self.gave_way_to = failing
         return ScaleError(f"serving rank {failing[0]} failed during {self.phase.value}: the failover goes first")
 
     async def pull_experts(self, current: Placement, target: Placement, sources: list[int], dense_to=()) -> None:
@@ -498,8 +500,11 @@ class Operation:
         return downtime
 
     def failing_serving(self) -> list[int]:
-        """Serving ranks found dead or stalled since this operation began (not the ones it masks)."""
-        return [r for r in self.active if r not in self.failed and self.port.failed(r)]
+        """Serving ranks found dead or stalled since this operation began (not the ones it masks):
+        by the router, or by their provider before the router's next look."""
+        return [
+            r for r in self.active if r not in self.failed and (self.port.failed(r) or self.provider.alive(r) is False)
+        ]
 
     def _known(self, rank: int) -> bool:
         try:
@@ -1025,7 +1030,8 @@ class Scaler:
                 # A survivor failed too (it is found and joins `failing`): try again shortly.
                 await asyncio.sleep(self.cfg.status_interval_s)
                 continue
-            self.failing -= masked
+            # Found by the provider before the router looked: failed over all the same.
+            self.failing = (self.failing | set(op.gave_way_to)) - masked
             if masked and self.pending is None:
                 # The capacity provider replaces what failed: back to the size before.
                 self.pending = ScaleRequest(dp_size=len(start.active))
