@@ -10,8 +10,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from components.control.journal import Tally
 from components.control.router import ElasticEPBody, RouterService, ScaleBody
-from components.control.scaling import Tally
 from components.planner.service import parse_prometheus
 from components.protocol.config import RouterConfig, WorkerConfig
 from components.protocol.lifecycle import RankState

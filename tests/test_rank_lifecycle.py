@@ -130,7 +130,7 @@ def test_declared_moves_are_legal_transitions_from_valid_states():
 
 
 # What the router sends one rank (components/control/router.py bootstrap, components/control/
-# scaling.py Operation), from a starting state: a message alone leaves the state as it is, and
+# operation.py Operation), from a starting state: a message alone leaves the state as it is, and
 # (message, state) moves the rank to that state.
 SEQUENCES = {
     "bootstrap": (

@@ -8,8 +8,10 @@ import asyncio
 
 import pytest
 
-from components.control import scaling
-from components.control.scaling import _FINAL, _NEXT, Phase, Scaler, Tally
+from components.control import scaler as scaler_module
+from components.control.journal import OpJournal, Tally
+from components.control.operation import _NEXT, FINAL, Operation, Phase, ScaleError, by_source
+from components.control.scaler import Scaler
 from components.protocol import messages as m
 from components.protocol.config import RouterConfig
 from components.protocol.lifecycle import RankState
@@ -29,8 +31,8 @@ def reachable(start: Phase) -> set[Phase]:
 
 
 def test_every_phase_can_finish_and_the_paths_are_the_documented_ones():
-    assert all(Phase.DONE in reachable(p) for p in Phase if p not in _FINAL)
-    assert not any(_NEXT.get(p) for p in _FINAL)
+    assert all(Phase.DONE in reachable(p) for p in Phase if p not in FINAL)
+    assert not any(_NEXT.get(p) for p in FINAL)
     # Scale-up prepares (mode A pausing first), then commits; scale-down drains and migrates first.
     up = [
         Phase.QUEUED,
@@ -57,8 +59,8 @@ def test_every_phase_can_finish_and_the_paths_are_the_documented_ones():
         assert all(b in _NEXT[a] for a, b in zip(path, path[1:])), path
 
 
-def operation(dp_size: int = 3) -> scaling.Operation:
-    return scaling.Operation(
+def operation(dp_size: int = 3) -> Operation:
+    return Operation(
         ScaleRequest(dp_size=dp_size),
         Committed(epoch=1, active=[0, 1], placement=None),
         [],
@@ -123,7 +125,7 @@ def test_the_latest_target_wins(monkeypatch):
             self.record.phase = "done"
             return Committed(epoch=self.topology.epoch + 1, active=list(range(self.req.dp_size)), placement=None)
 
-    monkeypatch.setattr(scaling, "Operation", Op)
+    monkeypatch.setattr(scaler_module, "Operation", Op)
 
     async def run():
         owner, ready = Owner(), asyncio.Event()
@@ -171,15 +173,15 @@ def test_the_journal_gives_a_restarted_router_its_history_and_counters(tmp_path,
     masked out included."""
     path = tmp_path / "router" / "operations.jsonl"
     path.parent.mkdir()
-    journal = scaling.OpJournal(path)
+    journal = OpJournal(path)
     for n in range(1, 26):
         journal.save(rec(n, "starting"))
         failed = "rebalance failed" if n == 3 else ""
         journal.save(rec(n, "done" if n < 25 else "loading", followup_error=failed, masked=[1] if n in (4, 9) else []))
     with path.open("ab") as f:
         f.write(b'{"id": "op-26-up')  # the kill came mid-write
-    monkeypatch.setattr(scaling.Operation, "_ids", scaling.Operation._ids)  # restored after the test
-    scaler = Scaler(Owner(), None, None, RouterConfig(), max_ranks=8, journal=scaling.OpJournal(path))
+    monkeypatch.setattr(Operation, "_ids", Operation._ids)  # restored after the test
+    scaler = Scaler(Owner(), None, None, RouterConfig(), max_ranks=8, journal=OpJournal(path))
     assert [r.id for r in scaler.history] == [f"op-{n}-up-2to3" for n in range(6, 26)]
     assert [r.phase for r in scaler.history] == ["done"] * 19 + ["loading"]
     assert scaler.tally == Tally(outcomes={"up": {"done": 24}}, followup_failures=1, masked_ranks=2)
@@ -194,9 +196,9 @@ def test_the_journal_gives_a_restarted_router_its_history_and_counters(tmp_path,
     # The 5 operations dropped (one with a failed follow-up, one that masked a rank out) are tallied
     # on the first line.
     assert len(lines) == 22 and lines[0] == '{"outcomes":{"up":{"done":5}},"followup_failures":1,"masked_ranks":1}'
-    records, tally = scaling.OpJournal(path).load()
+    records, tally = OpJournal(path).load()
     assert records[-1] == cut and tally == scaler.tally
-    assert next(scaling.Operation._ids) == 26
+    assert next(Operation._ids) == 26
 
 
 def test_the_journal_is_compacted_while_the_router_runs(tmp_path):
@@ -204,7 +206,7 @@ def test_the_journal_is_compacted_while_the_router_runs(tmp_path):
     history alone, and loads as if it had never been compacted."""
 
     def run(path, compact_after: int) -> list[int]:
-        journal, sizes = scaling.OpJournal(path, compact_after), []
+        journal, sizes = OpJournal(path, compact_after), []
         journal.load()
         for n in range(1, 41):
             for phase in ("starting", "loading", "committing", "done" if n % 4 else "aborted"):
@@ -216,8 +218,8 @@ def test_the_journal_is_compacted_while_the_router_runs(tmp_path):
     sizes = run(compacted, compact_after=30)
     assert max(sizes) == 30 and sizes[-1] < 30
     assert max(run(plain, compact_after=10_000)) == 160
-    assert scaling.OpJournal(compacted).load() == scaling.OpJournal(plain).load()
-    records, tally = scaling.OpJournal(compacted).load()
+    assert OpJournal(compacted).load() == OpJournal(plain).load()
+    records, tally = OpJournal(compacted).load()
     assert [r.id for r in records] == [rec(n, "done", kind="up" if n % 3 else "down").id for n in range(21, 41)]
     assert tally == Tally(outcomes={"up": {"done": 20, "aborted": 7}, "down": {"done": 10, "aborted": 3}})
 
@@ -322,10 +324,10 @@ async def dies_mid_pull(ranks: Ranks, rank: int, msg: m.PullWeights) -> m.Contro
     return m.ControlReply(ok=True, pull=PullStats(tensors=done, bytes=8 * done, seconds=0.1, per_source={}, lost=gone))
 
 
-def run(kind: str, pull) -> tuple[scaling.Operation, Ranks]:
+def run(kind: str, pull) -> tuple[Operation, Ranks]:
     ranks = Ranks(pull=pull)
     current = balanced_placement(1, 4, 4, S, [0, 1, 2])
-    op = scaling.Operation(
+    op = Operation(
         ScaleRequest(dp_size=4 if kind == "up" else 2),
         Committed(epoch=1, active=[0, 1, 2], placement=current),
         [],
@@ -358,7 +360,7 @@ def test_a_scale_up_masks_a_source_that_failed_mid_pull_out_and_repulls_its_read
     }
     assert set(again.sources) == {it.src_rank for it in again.items}
     assert op.record.pull_losses == [
-        PullLoss(3, 2, "rank 2: dropped mid-pull: rank 2 failed", lost, scaling.by_source(again.items))
+        PullLoss(3, 2, "rank 2: dropped mid-pull: rank 2 failed", lost, by_source(again.items))
     ]
     assert [d.agents for d in ranks.messages(m.DropSources)] == [
         {"agent-2": "rank 2 failed (found dead or stalled by the router)"}
@@ -401,7 +403,7 @@ def test_a_lost_source_without_another_holder_fails_the_operation_naming_both():
     current = balanced_placement(1, 4, 4, S, [0, 1, 2])
     # Expert 2 only on rank 2, and the joiner's first slot (its experts.0.0.*) wants it.
     target = Placement(S, [current.slots[0][:6] + [2, 1]])
-    op = scaling.Operation(
+    op = Operation(
         ScaleRequest(dp_size=4),
         Committed(epoch=1, active=[0, 1, 2], placement=current),
         [],
@@ -418,7 +420,7 @@ def test_a_lost_source_without_another_holder_fails_the_operation_naming_both():
         await ranks.discover([3], None, 0)
         await op.pull_experts(current, target, [0, 1, 2], dense_to=[3])
 
-    with pytest.raises(scaling.ScaleError) as ei:
+    with pytest.raises(ScaleError) as ei:
         asyncio.run(loading())
     assert str(ei.value) == (
         "rank 3 lost source rank 2 mid-pull (rank 2: READ of norm failed (source gone?)) and no live rank holds "
@@ -437,7 +439,7 @@ def rolled_back(dead, ranks_cls=Ranks):
     dead: the rollback's messages to each rank, the operation, and the placement before."""
     placement = balanced_placement(2, 8, 4, 4, [0, 1, 2])
     ranks = ranks_cls([0, 1, 2, 3], dead=dead)
-    op = scaling.Operation(
+    op = Operation(
         ScaleRequest(dp_size=4), Committed(epoch=5, active=[0, 1, 2], placement=placement), [], ranks, ranks,
         RouterConfig(), max_ranks=4, num_experts=8,
     )  # fmt: skip
@@ -516,12 +518,12 @@ def test_a_serving_rank_its_provider_finds_dead_in_a_commit_is_rolled_out_and_th
     before = balanced_placement(2, 8, 4, 4, [0, 1, 2])
     target = balanced_placement(2, 8, 4, 4, [0, 1, 2, 3])
     ranks = DiesInCommit([0, 1, 2, 3])
-    op = scaling.Operation(
+    op = Operation(
         ScaleRequest(dp_size=4), Committed(epoch=5, active=[0, 1, 2], placement=before), [], ranks, ranks,
         RouterConfig(), max_ranks=4, num_experts=8,
     )  # fmt: skip
     op.phase = Phase.COMMITTING
-    with pytest.raises(scaling.ScaleError) as ei:
+    with pytest.raises(ScaleError) as ei:
         asyncio.run(op.commit([0, 1, 2, 3], target, involved=[0, 1, 2, 3]))
     assert str(ei.value) == "serving rank 1 failed during committing: rolled back without it at epoch 7"
     assert op.preempted and op.gave_way_to == [1] and op.record.masked == [1]
@@ -557,7 +559,7 @@ def test_an_operation_that_gave_way_is_followed_by_the_failover_then_its_target(
             self.record.phase = "done"
             return Committed(epoch=3, active=list(range(self.req.dp_size)), placement=None)
 
-    monkeypatch.setattr(scaling, "Operation", Op)
+    monkeypatch.setattr(scaler_module, "Operation", Op)
 
     async def run():
         owner, ready = Owner(), asyncio.Event()
@@ -609,7 +611,7 @@ def test_ranks_an_operation_masked_out_are_replaced(monkeypatch, end, then):
             self.record.phase = "done"
             return Committed(epoch=3, active=sorted([*self.topology.active, 1]), placement=None)
 
-    monkeypatch.setattr(scaling, "Operation", Op)
+    monkeypatch.setattr(scaler_module, "Operation", Op)
 
     async def run():
         owner, ready = Owner(), asyncio.Event()

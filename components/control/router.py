@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from components.control.capacity import CapacityProvider, LocalProvider
-from components.control.scaling import OpJournal, Scaler, Tally
+from components.control.journal import OpJournal, Tally
+from components.control.scaler import Scaler
 from components.graph.component import Component, component_config, load_context
 from components.protocol.config import RouterConfig, WorkerConfig
 from components.protocol.lifecycle import RankState

@@ -1,7 +1,6 @@
-"""Scale operations: grow or shrink the serving group in place (docs/design.md, "The scale protocol").
+"""A scale operation: grows or shrinks the serving group in place (docs/design.md, "The scale protocol").
 
-One operation runs at a time; a request that arrives meanwhile only moves the target, and the
-latest target wins. Each operation has an id that every log line about it carries, a phase
+Each operation has an id that every log line about it carries, a phase
 machine with one transition function, per-phase timings and a measured downtime (first pause
 request to last resume reply). Everything before the commit can fail and abort without the
 serving topology ever changing; a commit that fails or times out rolls back to the old epoch.
@@ -22,13 +21,9 @@ import asyncio
 import enum
 import itertools
 import logging
-import re
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Protocol
-
-import msgspec
 
 from components.control.capacity import CapacityProvider
 from components.protocol.config import RouterConfig
@@ -64,7 +59,7 @@ from components.protocol.transfer import (
     spread,
 )
 
-log = logging.getLogger("components.control.scaling")
+log = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
@@ -99,7 +94,7 @@ _NEXT = {
     Phase.CLEANUP: {Phase.REBALANCING, Phase.DONE},
     Phase.REBALANCING: {Phase.MIGRATING, Phase.DONE},
 }
-_FINAL = {Phase.DONE, Phase.ABORTED, Phase.ROLLED_BACK}
+FINAL = {Phase.DONE, Phase.ABORTED, Phase.ROLLED_BACK}
 
 
 class ScaleError(RuntimeError):
@@ -189,7 +184,7 @@ class Operation:
 
     # ---- state machine -----------------------------------------------------------------------
     def transition(self, new: Phase, reason: str = "") -> None:
-        if new not in _FINAL and new not in _NEXT.get(self.phase, set()):
+        if new not in FINAL and new not in _NEXT.get(self.phase, set()):
             raise RuntimeError(f"[op {self.id}] illegal phase change {self.phase.value} -> {new.value}")
         now = time.monotonic()
         spent = now - self._phase_t0
@@ -206,7 +201,7 @@ class Operation:
         )
         self.phase, self._phase_t0 = new, now
         self.record.phase = new.value
-        if new in _FINAL:
+        if new in FINAL:
             self.record.total_s = round(now - self.t0, 6)
         self.on_change(self.record)
 
@@ -810,245 +805,3 @@ def by_source(items: list[PullItem]) -> dict[int, list[str]]:
     for it in items:
         out.setdefault(it.src_rank, []).append(it.dst_name)
     return out
-
-
-INTERRUPTED = "interrupted"  # an operation's phase once the router that ran it is gone
-ENDED = {p.value for p in _FINAL} | {INTERRUPTED}
-HISTORY = 20  # operations kept in the history (and its journal)
-COMPACT_AFTER = 500  # journal lines (some 25 phase changes per operation kept) that trigger a compaction
-
-
-class Tally(msgspec.Struct, forbid_unknown_fields=True):
-    """The router's operation counters: operations by kind and how they ended, those whose
-    follow-up failed after their commit, and the failed serving ranks masked out (a failover's,
-    but also a rollback's and a scale-up's own, which no failover operation counts)."""
-
-    outcomes: dict[str, dict[str, int]] = {}  # kind -> final phase (or interrupted) -> count
-    followup_failures: int = 0
-    masked_ranks: int = 0
-
-    def count(self, record: OpRecord) -> None:
-        """Count an operation that ended (others are not yet)."""
-        if record.phase not in ENDED:
-            return
-        of_kind = self.outcomes.setdefault(record.kind, {})
-        of_kind[record.phase] = of_kind.get(record.phase, 0) + 1
-        self.followup_failures += bool(record.followup_error)
-        self.masked_ranks += len(record.masked)
-
-    def add(self, other: Tally) -> None:
-        for kind, ends in other.outcomes.items():
-            of_kind = self.outcomes.setdefault(kind, {})
-            for phase, n in ends.items():
-                of_kind[phase] = of_kind.get(phase, 0) + n
-        self.followup_failures += other.followup_failures
-        self.masked_ranks += other.masked_ranks
-
-
-class OpJournal:
-    """The operation history as JSON lines, one line per record at each phase change (the last
-    line of an id wins), so that a router `dynamo serve` restarted shows the history and what its
-    predecessor left in flight, and counts on from its counters. Appended without fsync: a killed
-    process's writes survive it. Compacted to the last `HISTORY` records, after a line that tallies
-    the operations dropped, when loaded and whenever it reached `compact_after` lines."""
-
-    def __init__(self, path: Path, compact_after: int = COMPACT_AFTER):
-        self.path, self.compact_after = path, compact_after
-        self.records: dict[str, OpRecord] = {}  # the latest state of each operation in the file
-        self.dropped = Tally()  # what the operations compacted away counted
-        self.lines = 0  # in the file
-
-    def load(self) -> tuple[list[OpRecord], Tally]:
-        """The records, oldest first (the last `HISTORY`), and the tally of every operation the
-        journal saw end; the file is compacted."""
-        try:
-            lines = self.path.read_bytes().splitlines()
-        except FileNotFoundError:
-            lines = []
-        for line in lines:
-            try:
-                rec = msgspec.json.decode(line, type=OpRecord)
-            except msgspec.DecodeError:
-                try:
-                    self.dropped = msgspec.json.decode(line, type=Tally)
-                except msgspec.DecodeError:  # a line torn by the kill, or not ours: skipped
-                    pass
-                continue
-            self.records[rec.id] = rec
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.compact()
-        total = Tally()
-        total.add(self.dropped)
-        for rec in self.records.values():
-            total.count(rec)
-        return list(self.records.values()), total
-
-    def save(self, record: OpRecord) -> None:
-        self.records[record.id] = record
-        try:
-            if self.lines >= self.compact_after:
-                self.compact()
-                return
-            with self.path.open("ab") as f:
-                f.write(msgspec.json.encode(record) + b"\n")
-            self.lines += 1
-        except OSError as e:  # the history is for people: losing a line must not fail the operation
-            log.warning("[op %s] could not journal its record to %s: %s", record.id, self.path, e)
-
-    def compact(self) -> None:
-        """Rewrite the file with the last `HISTORY` records, the older ones only tallied."""
-        ordered = sorted(self.records.values(), key=lambda r: r.started_at)
-        for rec in ordered[:-HISTORY]:
-            self.dropped.count(rec)
-        kept = ordered[-HISTORY:]
-        self.records = {r.id: r for r in kept}
-        lines = [msgspec.json.encode(r) for r in kept]
-        if self.dropped != Tally():
-            lines.insert(0, msgspec.json.encode(self.dropped))
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_bytes(b"".join(line + b"\n" for line in lines))
-        tmp.replace(self.path)
-        self.lines = len(lines)
-
-
-class Scaler:
-    """Runs operations one at a time toward the latest requested size. While one runs, the
-    topology it has committed so far is the deployment's (`topology`). With a `journal`, the
-    history and the counters (`tally`) outlive the router: a restarted one reloads them (`settle`
-    then says how what was in flight ended)."""
-
-    def __init__(
-        self,
-        owner: TopologyOwner,
-        port: RankPort,
-        provider: CapacityProvider,
-        cfg: RouterConfig,
-        max_ranks: int,
-        journal: OpJournal | None = None,
-    ):
-        self.owner, self.port, self.provider, self.cfg, self.max_ranks = owner, port, provider, cfg, max_ranks
-        self.journal = journal
-        self.pending: ScaleRequest | None = None
-        self.failing: set[int] = set()  # serving ranks found dead, not yet failed over
-        self.current: Operation | None = None
-        self.history, self.tally = journal.load() if journal else ([], Tally())
-        numbers = [int(m.group(1)) for r in self.history if (m := re.match(r"op-(\d+)-", r.id))]
-        if numbers:
-            Operation.number_after(max(numbers))
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def busy(self) -> bool:
-        return self.current is not None or self.pending is not None or bool(self.failing)
-
-    def request(self, req: ScaleRequest) -> None:
-        self.pending = req  # the latest target wins over one still queued
-        self._idle.clear()
-        self._wake.set()
-
-    async def wait_idle(self) -> OpRecord | None:
-        await self._idle.wait()
-        return self.history[-1] if self.history else None
-
-    def settle(self, outcome: str) -> None:
-        """The reloaded operations the last router left unfinished are over: `interrupted`, with
-        what the router that took over made of the deployment (`outcome`)."""
-        for rec in self.history:
-            if rec.phase not in ENDED:
-                rec.error = f"the router running it stopped in {rec.phase}; the next one {outcome}"
-                log.warning("[op %s] interrupted: %s", rec.id, rec.error)
-                rec.phase = INTERRUPTED
-                self.tally.count(rec)
-                self._journal(rec)
-
-    def _journal(self, record: OpRecord) -> None:
-        if self.journal:
-            self.journal.save(record)
-
-    def fail(self, ranks: list[int]) -> None:
-        """Serving ranks found dead: a failover runs before any queued request (after the
-        operation in flight, whose calls to them fail at once)."""
-        self.failing |= set(ranks)
-        self._idle.clear()
-        self._wake.set()
-
-    async def run(self, ready: asyncio.Event) -> None:
-        await ready.wait()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            try:
-                await self._work()
-            except Exception:  # the scaler must outlive any bug: later requests still run
-                log.exception("scaler: unexpected error; waiting for the next request")
-                self.current = None
-            self._idle.set()
-
-    async def _work(self) -> None:
-        while self.failing or self.pending is not None:
-            start = self.owner.committed
-            self.failing &= set(start.active)  # a rank that no longer serves needs no failover
-            failed = sorted(self.failing)
-            if failed:
-                req = ScaleRequest(dp_size=len(start.active) - len(failed))
-            elif self.pending is not None:
-                req, self.pending = self.pending, None
-                if req.dp_size == len(start.active):
-                    continue
-            else:
-                continue
-            op = Operation(
-                req,
-                start,
-                self.owner.expert_load(),
-                self.port,
-                self.provider,
-                self.cfg,
-                self.max_ranks,
-                self.owner.num_experts,
-                failed,
-                on_change=self._journal,
-            )
-            self.current = op
-            self.history.append(op.record)
-            del self.history[:-HISTORY]
-            self._journal(op.record)
-            result = await op.execute(self.owner.expert_load)
-            self.current = None
-            self.tally.count(op.record)
-            self.owner.operation_ended(op.record, result)
-            masked = set(op.record.masked)  # by a failover, a rollback, or a scale-up's own failover
-            if (op.preempted or (masked and op.record.phase == "done")) and not failed and self.pending is None:
-                # Cut short by a failed serving rank, or done less the ranks it masked out: tried
-                # again once that rank is masked out (by the failover or its rollback), and then it
-                # also replaces what failed (an injected fault was this attempt's).
-                log.info("[op %s] its target dp_size %d is requested again", op.id, req.dp_size)
-                self.pending = msgspec.structs.replace(req, fault="")
-            if not masked.issuperset(failed):
-                # A survivor failed too (it is found and joins `failing`): try again shortly.
-                await asyncio.sleep(self.cfg.status_interval_s)
-                continue
-            # Found by the provider before the router looked: failed over all the same.
-            self.failing = (self.failing | set(op.gave_way_to)) - masked
-            if masked and self.pending is None:
-                # The capacity provider replaces what failed: back to the size before.
-                self.pending = ScaleRequest(dp_size=len(start.active))
-
-
-class TopologyOwner(Protocol):
-    """The one owner of topology state (the router): what the scaler reads, and where an
-    operation's result goes."""
-
-    @property
-    def committed(self) -> Committed: ...
-
-    @property
-    def num_experts(self) -> int: ...
-
-    def expert_load(self) -> list[list[int]]:
-        """Tokens routed to each expert per MoE layer since the last rebalance, over active ranks."""
-
-    def operation_ended(self, record: OpRecord, topology: Committed) -> None:
-        """Take over the topology an operation left committed."""

@@ -1,0 +1,111 @@
+"""The operation history and counters, and the journal that lets them outlive a router."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgspec
+
+from components.control.operation import FINAL
+from components.protocol.topology import OpRecord
+
+log = logging.getLogger(__name__)
+
+INTERRUPTED = "interrupted"  # an operation's phase once the router that ran it is gone
+ENDED = {p.value for p in FINAL} | {INTERRUPTED}
+HISTORY = 20  # operations kept in the history (and its journal)
+COMPACT_AFTER = 500  # journal lines (some 25 phase changes per operation kept) that trigger a compaction
+
+
+class Tally(msgspec.Struct, forbid_unknown_fields=True):
+    """The router's operation counters: operations by kind and how they ended, those whose
+    follow-up failed after their commit, and the failed serving ranks masked out (a failover's,
+    but also a rollback's and a scale-up's own, which no failover operation counts)."""
+
+    outcomes: dict[str, dict[str, int]] = {}  # kind -> final phase (or interrupted) -> count
+    followup_failures: int = 0
+    masked_ranks: int = 0
+
+    def count(self, record: OpRecord) -> None:
+        """Count an operation that ended (others are not yet)."""
+        if record.phase not in ENDED:
+            return
+        of_kind = self.outcomes.setdefault(record.kind, {})
+        of_kind[record.phase] = of_kind.get(record.phase, 0) + 1
+        self.followup_failures += bool(record.followup_error)
+        self.masked_ranks += len(record.masked)
+
+    def add(self, other: Tally) -> None:
+        for kind, ends in other.outcomes.items():
+            of_kind = self.outcomes.setdefault(kind, {})
+            for phase, n in ends.items():
+                of_kind[phase] = of_kind.get(phase, 0) + n
+        self.followup_failures += other.followup_failures
+        self.masked_ranks += other.masked_ranks
+
+
+class OpJournal:
+    """The operation history as JSON lines, one line per record at each phase change (the last
+    line of an id wins), so that a router `dynamo serve` restarted shows the history and what its
+    predecessor left in flight, and counts on from its counters. Appended without fsync: a killed
+    process's writes survive it. Compacted to the last `HISTORY` records, after a line that tallies
+    the operations dropped, when loaded and whenever it reached `compact_after` lines."""
+
+    def __init__(self, path: Path, compact_after: int = COMPACT_AFTER):
+        self.path, self.compact_after = path, compact_after
+        self.records: dict[str, OpRecord] = {}  # the latest state of each operation in the file
+        self.dropped = Tally()  # what the operations compacted away counted
+        self.lines = 0  # in the file
+
+    def load(self) -> tuple[list[OpRecord], Tally]:
+        """The records, oldest first (the last `HISTORY`), and the tally of every operation the
+        journal saw end; the file is compacted."""
+        try:
+            lines = self.path.read_bytes().splitlines()
+        except FileNotFoundError:
+            lines = []
+        for line in lines:
+            try:
+                rec = msgspec.json.decode(line, type=OpRecord)
+            except msgspec.DecodeError:
+                try:
+                    self.dropped = msgspec.json.decode(line, type=Tally)
+                except msgspec.DecodeError:  # a line torn by the kill, or not ours: skipped
+                    pass
+                continue
+            self.records[rec.id] = rec
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.compact()
+        total = Tally()
+        total.add(self.dropped)
+        for rec in self.records.values():
+            total.count(rec)
+        return list(self.records.values()), total
+
+    def save(self, record: OpRecord) -> None:
+        self.records[record.id] = record
+        try:
+            if self.lines >= self.compact_after:
+                self.compact()
+                return
+            with self.path.open("ab") as f:
+                f.write(msgspec.json.encode(record) + b"\n")
+            self.lines += 1
+        except OSError as e:  # the history is for people: losing a line must not fail the operation
+            log.warning("[op %s] could not journal its record to %s: %s", record.id, self.path, e)
+
+    def compact(self) -> None:
+        """Rewrite the file with the last `HISTORY` records, the older ones only tallied."""
+        ordered = sorted(self.records.values(), key=lambda r: r.started_at)
+        for rec in ordered[:-HISTORY]:
+            self.dropped.count(rec)
+        kept = ordered[-HISTORY:]
+        self.records = {r.id: r for r in kept}
+        lines = [msgspec.json.encode(r) for r in kept]
+        if self.dropped != Tally():
+            lines.insert(0, msgspec.json.encode(self.dropped))
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(b"".join(line + b"\n" for line in lines))
+        tmp.replace(self.path)
+        self.lines = len(lines)

@@ -1,0 +1,163 @@
+"""The scaler: one operation at a time toward the latest requested size (a request that arrives
+meanwhile only moves the target, and the latest target wins), failovers of serving ranks found
+dead before any queued request, and replacements for what an operation masked out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import Protocol
+
+import msgspec
+
+from components.control.capacity import CapacityProvider
+from components.control.journal import ENDED, HISTORY, INTERRUPTED, OpJournal, Tally
+from components.control.operation import Operation, RankPort
+from components.protocol.config import RouterConfig
+from components.protocol.topology import Committed, OpRecord, ScaleRequest
+
+log = logging.getLogger(__name__)
+
+
+class Scaler:
+    """Runs operations one at a time toward the latest requested size. While one runs, the
+    topology it has committed so far is the deployment's (`topology`). With a `journal`, the
+    history and the counters (`tally`) outlive the router: a restarted one reloads them (`settle`
+    then says how what was in flight ended)."""
+
+    def __init__(
+        self,
+        owner: TopologyOwner,
+        port: RankPort,
+        provider: CapacityProvider,
+        cfg: RouterConfig,
+        max_ranks: int,
+        journal: OpJournal | None = None,
+    ):
+        self.owner, self.port, self.provider, self.cfg, self.max_ranks = owner, port, provider, cfg, max_ranks
+        self.journal = journal
+        self.pending: ScaleRequest | None = None
+        self.failing: set[int] = set()  # serving ranks found dead, not yet failed over
+        self.current: Operation | None = None
+        self.history, self.tally = journal.load() if journal else ([], Tally())
+        numbers = [int(m.group(1)) for r in self.history if (m := re.match(r"op-(\d+)-", r.id))]
+        if numbers:
+            Operation.number_after(max(numbers))
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None or self.pending is not None or bool(self.failing)
+
+    def request(self, req: ScaleRequest) -> None:
+        self.pending = req  # the latest target wins over one still queued
+        self._idle.clear()
+        self._wake.set()
+
+    async def wait_idle(self) -> OpRecord | None:
+        await self._idle.wait()
+        return self.history[-1] if self.history else None
+
+    def settle(self, outcome: str) -> None:
+        """The reloaded operations the last router left unfinished are over: `interrupted`, with
+        what the router that took over made of the deployment (`outcome`)."""
+        for rec in self.history:
+            if rec.phase not in ENDED:
+                rec.error = f"the router running it stopped in {rec.phase}; the next one {outcome}"
+                log.warning("[op %s] interrupted: %s", rec.id, rec.error)
+                rec.phase = INTERRUPTED
+                self.tally.count(rec)
+                self._journal(rec)
+
+    def _journal(self, record: OpRecord) -> None:
+        if self.journal:
+            self.journal.save(record)
+
+    def fail(self, ranks: list[int]) -> None:
+        """Serving ranks found dead: a failover runs before any queued request (after the
+        operation in flight, whose calls to them fail at once)."""
+        self.failing |= set(ranks)
+        self._idle.clear()
+        self._wake.set()
+
+    async def run(self, ready: asyncio.Event) -> None:
+        await ready.wait()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._work()
+            except Exception:  # the scaler must outlive any bug: later requests still run
+                log.exception("scaler: unexpected error; waiting for the next request")
+                self.current = None
+            self._idle.set()
+
+    async def _work(self) -> None:
+        while self.failing or self.pending is not None:
+            start = self.owner.committed
+            self.failing &= set(start.active)  # a rank that no longer serves needs no failover
+            failed = sorted(self.failing)
+            if failed:
+                req = ScaleRequest(dp_size=len(start.active) - len(failed))
+            elif self.pending is not None:
+                req, self.pending = self.pending, None
+                if req.dp_size == len(start.active):
+                    continue
+            else:
+                continue
+            op = Operation(
+                req,
+                start,
+                self.owner.expert_load(),
+                self.port,
+                self.provider,
+                self.cfg,
+                self.max_ranks,
+                self.owner.num_experts,
+                failed,
+                on_change=self._journal,
+            )
+            self.current = op
+            self.history.append(op.record)
+            del self.history[:-HISTORY]
+            self._journal(op.record)
+            result = await op.execute(self.owner.expert_load)
+            self.current = None
+            self.tally.count(op.record)
+            self.owner.operation_ended(op.record, result)
+            masked = set(op.record.masked)  # by a failover, a rollback, or a scale-up's own failover
+            if (op.preempted or (masked and op.record.phase == "done")) and not failed and self.pending is None:
+                # Cut short by a failed serving rank, or done less the ranks it masked out: tried
+                # again once that rank is masked out (by the failover or its rollback), and then it
+                # also replaces what failed (an injected fault was this attempt's).
+                log.info("[op %s] its target dp_size %d is requested again", op.id, req.dp_size)
+                self.pending = msgspec.structs.replace(req, fault="")
+            if not masked.issuperset(failed):
+                # A survivor failed too (it is found and joins `failing`): try again shortly.
+                await asyncio.sleep(self.cfg.status_interval_s)
+                continue
+            # Found by the provider before the router looked: failed over all the same.
+            self.failing = (self.failing | set(op.gave_way_to)) - masked
+            if masked and self.pending is None:
+                # The capacity provider replaces what failed: back to the size before.
+                self.pending = ScaleRequest(dp_size=len(start.active))
+
+
+class TopologyOwner(Protocol):
+    """The one owner of topology state (the router): what the scaler reads, and where an
+    operation's result goes."""
+
+    @property
+    def committed(self) -> Committed: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    def expert_load(self) -> list[list[int]]:
+        """Tokens routed to each expert per MoE layer since the last rebalance, over active ranks."""
+
+    def operation_ended(self, record: OpRecord, topology: Committed) -> None:
+        """Take over the topology an operation left committed."""
