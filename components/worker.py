@@ -38,6 +38,7 @@ from components.graph.spawn import die_with_parent, graph_output
 from components.protocol.config import WorkerConfig
 from components.protocol.lifecycle import Lifecycle, RankState
 from components.protocol.messages import (
+    Command,
     Configure,
     Connect,
     ControlReply,
@@ -94,6 +95,12 @@ class Worker(Component):
 
 
 FAULT_ENV = "ELASTIC_EP_FAULT"
+OP_ENV = "ELASTIC_EP_OP"  # the scale operation a joiner was started for
+
+
+def started_for() -> str:
+    """The id of the scale operation that started this joiner, for its log lines ("-": none)."""
+    return os.environ.get(OP_ENV, "-")
 
 
 class Faults(msgspec.Struct, frozen=True):
@@ -275,11 +282,9 @@ class RankServer:
         e.comm.set_active([], 0)
         e.start()
         if self.join:
-            log.info(
-                "rank %d: joiner up (%s) in %.2f s, waiting for weights from peers",
-                self.rank,
-                self.started_from,
-                time.perf_counter() - t0,
+            self.note(
+                started_for(),
+                f"joiner up ({self.started_from}) in {time.perf_counter() - t0:.2f} s, waiting for weights from peers",
             )
         else:
             self.life.transition(
@@ -313,10 +318,10 @@ class RankServer:
             # weights come from peers (PullWeights), the KV cache starts zeroed.
             t0 = time.perf_counter()
             self.engine.restore_memory()
-            log.info("rank %d: VMM arena remapped in %.3f s", who.rank, time.perf_counter() - t0)
+            self.note(started_for(), f"VMM arena remapped in {time.perf_counter() - t0:.3f} s")
         self.engine.comm.resume()
         self.started_from = "snapshot"
-        self.life.transition(RankState.RESTORED, f"restored from snapshot {who.snapshot}")
+        self.life.transition(RankState.RESTORED, f"restored from snapshot {who.snapshot}", started_for())
 
     def die(self, error: BaseException) -> None:
         """The step loop broke: exit, so the router sees a dead rank and fails it over, rather
@@ -443,11 +448,11 @@ class RankServer:
         try:
             msg = decode_request(raw)
             if self.faults.exit_on and self.faults.exit_on == raw.get("type"):
-                log.error("rank %d: injected fault: exiting on %s", self.rank, self.faults.exit_on)
+                self.note(msg.op, f"injected fault: exiting on {self.faults.exit_on}", logging.ERROR)
                 os._exit(17)
             if self.faults.stall_on and self.faults.stall_on == raw.get("type"):
-                log.error(
-                    "rank %d: injected fault: stalling %s %.1f s", self.rank, self.faults.stall_on, self.faults.stall_s
+                self.note(
+                    msg, f"injected fault: stalling {self.faults.stall_on} {self.faults.stall_s:.1f} s", logging.ERROR
                 )
                 await asyncio.sleep(self.faults.stall_s)
             kind, state = type(msg), self.life.state
@@ -458,16 +463,27 @@ class RankServer:
         except Exception as e:  # the router gets the reason; this rank keeps serving
             # A refusal is the router's mistake and changed nothing here: no traceback to show.
             log.error(
-                "rank %d: control %s failed: %s", self.rank, raw.get("type"), e, exc_info=not isinstance(e, StateError)
+                "[op %s] rank %d: control %s failed: %s",
+                raw.get("op", "-"),
+                self.rank,
+                raw.get("type"),
+                e,
+                exc_info=not isinstance(e, StateError),
             )
             reply = ControlReply(ok=False, error=f"{type(e).__name__}: {e}")
         yield encode(reply)
 
-    def advance(self, msg, to: RankState, reason: str) -> None:
+    def advance(self, msg: Command, to: RankState, reason: str) -> bool:
         """Move to `to` if the rule of `msg` declares that move from the current state; in the
-        other states the message is valid in, the rank stays where it is."""
-        if RULES[type(msg)].moves.get(self.life.state) is to:
-            self.life.transition(to, reason, getattr(msg, "op", "-"))
+        other states the message is valid in, the rank stays where it is (False)."""
+        if RULES[type(msg)].moves.get(self.life.state) is not to:
+            return False
+        self.life.transition(to, reason, msg.op)
+        return True
+
+    def note(self, op: str, what: str, level: int = logging.INFO) -> None:
+        """A log line about this rank's part in scale operation `op` ("-": none)."""
+        log.log(level, "[op %s] rank %d: %s", op, self.rank, what)
 
     def on_loop(self, fn) -> asyncio.Future:
         return asyncio.wrap_future(self.engine.call(fn))
@@ -487,18 +503,23 @@ class RankServer:
         # Off the step loop: connecting joiners must not stall serving. The communicator
         # serialises this against a collective in flight.
         await asyncio.to_thread(self.engine.comm.connect, msg.peers, msg.activate)
-        self.advance(msg, RankState.STAGED, f"connected to ranks {sorted(msg.peers)}, masked")
+        what = f"connected to ranks {sorted(msg.peers)}, " + ("active" if msg.activate else "masked")
+        if not self.advance(msg, RankState.STAGED, what):
+            self.note(msg.op, what)
 
     @handles(Disconnect, HOLDING_WEIGHTS)
     async def on_disconnect(self, msg: Disconnect) -> None:
         """Serving ranks forget leaving ranks (cleanup) or joiners (abort)."""
         await asyncio.to_thread(self.engine.comm.disconnect, msg.ranks)
+        self.note(msg.op, f"disconnected ranks {sorted(msg.ranks)}")
 
     @handles(Pause, IN_COMMITS)
     async def on_pause(self, msg: Pause) -> None:
         if msg.gone:  # a collective waiting on a dead peer gives up now, so the pause can land
+            self.note(msg.op, f"ranks {sorted(msg.gone)} declared gone", logging.WARNING)
             self.engine.comm.declare_gone(msg.gone)
         await asyncio.wrap_future(self.engine.pause())
+        self.note(msg.op, "paused at a step boundary", logging.DEBUG)
 
     @handles(Configure, IN_COMMITS)
     async def on_configure(self, msg: Configure) -> None:
@@ -506,6 +527,7 @@ class RankServer:
         if not e.paused and self.rank in e.comm.active and len(e.comm.active) > 1:
             raise RuntimeError("configure needs the group paused first")
         await self.on_loop(lambda: e.configure(msg.epoch, msg.active, msg.placement))
+        self.note(msg.op, f"epoch {msg.epoch}, active {msg.active}")
 
     @handles(
         Resume,
@@ -517,10 +539,11 @@ class RankServer:
         out stays where it was."""
         e = self.engine
         await asyncio.wrap_future(e.resume())
+        self.note(msg.op, "resumed", logging.DEBUG)
         if self.rank in e.comm.active:
             self.advance(msg, RankState.ACTIVE, f"epoch {e.epoch}, active {list(e.comm.active)}")
         elif self.life.state is RankState.LEAVING:
-            log.info("rank %d: out of the active set at epoch %d", self.rank, e.epoch)
+            self.note(msg.op, f"out of the active set at epoch {e.epoch}")
 
     @handles(
         SetRoutable,
@@ -549,6 +572,7 @@ class RankServer:
         a serving rank taking over experts whose every replica was on a failed rank (`since`): a
         leaving one too, when a scale-down rolls back without a rank that died in its commit."""
         await self.on_loop(lambda: self.engine.load_experts(msg.placement, msg.since))
+        self.note(msg.op, "experts loaded from the checkpoint" + (" where the map changed" if msg.since else ""))
 
     # Exporting changes nothing on this rank: allowed in any state.
     @handles(ExportWeights, ANY_STATE)
@@ -572,9 +596,9 @@ class RankServer:
         pull has brought the rest."""
         from components.engine.weight_store import WeightTransferError
 
-        stats = await asyncio.to_thread(self.store.pull, msg.items, msg.sources, partial=True)
+        stats = await asyncio.to_thread(self.store.pull, msg.items, msg.sources, partial=True, op=msg.op)
         if self.faults.corrupt_pull:
-            log.error("rank %d: injected fault: corrupting a pulled tensor", self.rank)
+            self.note(msg.op, "injected fault: corrupting a pulled tensor", logging.ERROR)
             name = msg.items[0].dst_name
             t = self.store.tensors[name]
             t.view(-1)[0] += 1
@@ -583,13 +607,16 @@ class RankServer:
                 f"after the pull (injected corruption)"
             )
         log.info(
-            "[op %s] rank %d: pulled %d tensors, %.1f MB in %.3f s (%.2f GB/s) from ranks %s",
+            "[op %s] rank %d: pulled %d tensors, %.1f MB in %.3f s (%.2f GB/s; transfer %.3f s, verify %.3f s) "
+            "from ranks %s",
             msg.op,
             self.rank,
             stats.tensors,
             stats.bytes / 1e6,
             stats.seconds,
             stats.gbps,
+            stats.transfer_seconds,
+            stats.verify_seconds,
             sorted(stats.per_source),
         )
         for loss in stats.lost:
@@ -828,11 +855,9 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
         server.model_name,
         worker_type=WorkerType.Aggregated,
     )
-    log.info(
-        "rank %d: serving %r (instance %x), waiting for the router",
-        rank,
-        server.model_name,
-        server.gen_ep.connection_id(),
+    server.note(
+        started_for(),
+        f"serving {server.model_name!r} (instance {server.gen_ep.connection_id():x}), waiting for the router",
     )
     server.gen_client = await server.gen_ep.client()
     ctl = asyncio.ensure_future(server.ctl_ep.serve_endpoint(server.control))
@@ -885,9 +910,8 @@ def baked(spec_path: str) -> None:
     # Before the runtime, the NIXL agent and their threads open anything: peers and discovery are
     # in the restorer's network namespace, not in this copy's own.
     if join_restorer_network():
-        log.info("rank %d: joined the restorer's network namespace", who.rank)
+        log.info("[op %s] rank %d: joined the restorer's network namespace", who.env.get(OP_ENV, "-"), who.rank)
     server.restored(who)
-    log.info("rank %d: restored from snapshot %s", who.rank, who.snapshot)
     asyncio.run(serve(who.rank, True, server))
 
 

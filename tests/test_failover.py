@@ -228,7 +228,7 @@ def test_a_serving_rank_killed_inside_a_commit_is_masked_out_by_the_rollback(ser
     and installs the old set without it (fenced, its experts reloaded on the survivors): no epoch
     after the kill lists rank 1. The scale-up then runs again and also replaces rank 1. Nothing is
     lost, every token is right, no wedge."""
-    timed_out, abandoned = "timed out after", "rank 1 declared gone"
+    timed_out, abandoned = "timed out after", "ranks [1] declared gone"
     seen_timeouts, seen_abandoned = (server.output.count(s) for s in (timed_out, abandoned))
     ops, traffic = scale_up_with_rank_1_killed(server, "resume", 8, operations=2)
     assert len(ops) == 2, ops
@@ -246,7 +246,7 @@ def test_a_serving_rank_killed_inside_a_commit_is_masked_out_by_the_rollback(ser
     rollback = re.search(rolled, output)
     assert rollback, server.tail(80)
     for r in (0, 2):  # the survivors installed the rollback's epoch without rank 1
-        assert re.search(rf"ep-{r}-\d+: epoch {rollback.group(1)} active \(0, 2\)", output), r
+        assert re.search(rf"\[op {up['id']}\] rank {r}: epoch {rollback.group(1)}, active \[0, 2\]", output), r
     assert output.count(abandoned) > seen_abandoned  # the survivors gave up on it at once
     assert output.count(timed_out) == seen_timeouts  # and never waited for it
     assert server.topology()["active"] == [0, 1, 2, 3]

@@ -467,18 +467,18 @@ def test_a_rollback_masks_out_a_serving_rank_found_dead_as_a_failover_would(rank
     assert reload and reload <= {0, 2}
     for r in (0, 2):
         expected = [
-            m.Pause(gone=[1]),
-            *([m.LoadExperts(placement=target, since=before)] if r in reload else []),
-            m.Configure(epoch=7, active=[0, 2], placement=target),
-            m.Resume(),
-            m.Disconnect(ranks=[1]),
+            m.Pause(gone=[1], op=op.id),
+            *([m.LoadExperts(placement=target, since=before, op=op.id)] if r in reload else []),
+            m.Configure(epoch=7, active=[0, 2], placement=target, op=op.id),
+            m.Resume(op=op.id),
+            m.Disconnect(ranks=[1], op=op.id),
         ]
         assert ranks.messages(rank=r) == expected, r
     # The joiner is configured out.
     assert ranks.messages(rank=3) == [
-        m.Pause(gone=[1]),
-        m.Configure(epoch=7, active=[], placement=target),
-        m.Resume(),
+        m.Pause(gone=[1], op=op.id),
+        m.Configure(epoch=7, active=[], placement=target, op=op.id),
+        m.Resume(op=op.id),
     ]
 
 
@@ -489,9 +489,9 @@ def test_a_rollback_with_every_rank_alive_goes_back_to_the_old_set():
     for r in (0, 1, 2, 3):
         active = [0, 1, 2] if r < 3 else []
         assert ranks.messages(rank=r) == [
-            m.Pause(),
-            m.Configure(epoch=7, active=active, placement=before),
-            m.Resume(),
+            m.Pause(op=op.id),
+            m.Configure(epoch=7, active=active, placement=before, op=op.id),
+            m.Resume(op=op.id),
         ], r
 
 

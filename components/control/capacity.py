@@ -36,7 +36,7 @@ from components.graph.component import (
 )
 from components.graph.spawn import Child, adopt, spawn
 from components.protocol.config import WorkerConfig
-from components.worker import FAULT_ENV, Worker
+from components.worker import FAULT_ENV, OP_ENV, Worker
 
 log = logging.getLogger("components.control.capacity")
 
@@ -162,6 +162,7 @@ class LocalProvider:
             return how
         env = {**os.environ, GRAPH_ENV: encode_context(self.ctx), COMPONENT_ENV: "Worker", "PYTHONUNBUFFERED": "1"}
         env.pop(FAULT_ENV, None)
+        env[OP_ENV] = op
         if fault:
             env[FAULT_ENV] = fault
         snap, why = await self._snapshot(op)

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import msgspec
+
 from components.control.capacity import CapacityProvider
 from components.protocol.config import RouterConfig
 from components.protocol.messages import (
@@ -214,7 +216,8 @@ class Operation:
         timeout = timeout or self.cfg.prepare_timeout_s
 
         async def one(r):
-            task = asyncio.ensure_future(self.port.send(r, make(r)))
+            # Every command carries the operation's id, for the rank's log lines about it.
+            task = asyncio.ensure_future(self.port.send(r, msgspec.structs.replace(make(r), op=self.id)))
             deadline = time.monotonic() + timeout
             while not task.done():
                 failing = self.failing_serving() if preempt and not (self.undoing or self.absorbs) else []
@@ -346,7 +349,7 @@ class Operation:
 
             def pull(r: int) -> PullWeights:
                 remote = {it.src_rank for it in todo[r]} - {r}
-                return PullWeights(sources={s: manifests[s] for s in remote}, items=todo[r], op=self.id)
+                return PullWeights(sources={s: manifests[s] for s in remote}, items=todo[r])
 
             # Failed serving ranks are watched here, not in call(): the pullers hear of them first.
             tasks = {r: asyncio.ensure_future(self.call([r], pull, preempt=False)) for r in sorted(todo)}
@@ -406,7 +409,7 @@ class Operation:
             *(
                 self.call(
                     [dst],
-                    lambda r: DropSources(agents={manifests[s].agent: why[s] for s in readers[r]}, op=self.id),
+                    lambda r: DropSources(agents={manifests[s].agent: why[s] for s in readers[r]}),
                     self.cfg.commit_timeout_s,
                     preempt=False,
                 )
@@ -474,7 +477,7 @@ class Operation:
             # Ranks already paused (mode A, failover) answer at once.
             await self.call(involved, lambda r: Pause(gone=self.failed), timeout)
             if warm:  # modes A and B: the preparation the design keeps out of the pause
-                await self.call(warm, lambda r: Warmup(placement=placement, recapture=recapture, op=self.id))
+                await self.call(warm, lambda r: Warmup(placement=placement, recapture=recapture))
             await self.call(
                 involved,
                 lambda r: Configure(epoch=epoch, active=active if r in active else [], placement=placement),
@@ -612,14 +615,14 @@ class Operation:
             if how != "parked":  # a new process says whether a snapshot fitted
                 self.record.joined_from[r] = self.port.status(r).started_from
         restored = [r for r, how in self.record.joined_from.items() if how == "parked"]
-        await self.call(restored, lambda r: Restore(op=self.id))
+        await self.call(restored, lambda r: Restore())
         self.transition(Phase.LOADING, "dense weights spread over serving ranks, experts per the target map")
         await self.pull_experts(current, target, list(self.active), dense_to=self.joiners)
         if self.failed:  # masked out meanwhile: the joiners' slots as planned, the others the survivors'
             target = grow(self.topology.placement, self.joiners, self.num_experts, self.load)
         if not req.mode.warms_inside_pause:
             self.transition(Phase.WARMING, "joiners alone, remote peers masked")
-            await self.call(self.joiners, lambda r: Warmup(placement=target, op=self.id))
+            await self.call(self.joiners, lambda r: Warmup(placement=target))
         self.transition(Phase.CONNECTING, "serving ranks connect joiners masked")
         meta = {r: self.port.status(r).metadata for r in self.active + self.joiners}
         await self.call(self.active, lambda r: Connect(peers={j: meta[j] for j in self.joiners}, activate=False))
@@ -648,7 +651,7 @@ class Operation:
         drained = asyncio.ensure_future(
             self.call(
                 self.leaving,
-                lambda r: Drain(timeout_s=drain_s, targets=targets, op=self.id),
+                lambda r: Drain(timeout_s=drain_s, targets=targets),
                 drain_s + self.cfg.prepare_timeout_s,
             )
         )
@@ -666,12 +669,12 @@ class Operation:
         await self.call(remaining, lambda r: Disconnect(ranks=self.leaving))
         if park:
             checkpoint = self.provider.checkpoints_parked
-            await self.call(self.leaving, lambda r: Park(checkpoint=checkpoint, op=self.id))
+            await self.call(self.leaving, lambda r: Park(checkpoint=checkpoint))
             for r in self.leaving:
                 await self.provider.park(r, self.port.status(r).pid, self.id)
             self.record.parked = list(self.leaving)
             return
-        await self.call(self.leaving, lambda r: Exit(op=self.id))
+        await self.call(self.leaving, lambda r: Exit())
         for r in self.leaving:
             await self.provider.release(r, self.id)
             self.port.forget(r)

@@ -314,7 +314,7 @@ class NixlCommunicator:
                     raise EPError(f"rank {self.rank}: cannot connect rank {r}: {e}") from e
                 self._peers[r] = _Peer(r, loaded, m.recv_addr, m.mem_type, m.dev_id)
                 self._agent_rank[loaded] = r
-                log.info("%s: connected rank %d (%s)", self.name, r, loaded)
+                log.debug("%s: connected rank %d (%s)", self.name, r, loaded)
 
             if activate:
                 ranks = set(self._active) | set(decoded) | {self.rank}
@@ -330,7 +330,7 @@ class NixlCommunicator:
             for r in drop:
                 if r in self._peers:
                     self._forget(r)
-                    log.info("%s: disconnected rank %d", self.name, r)
+                    log.debug("%s: disconnected rank %d", self.name, r)
 
     def _forget(self, r: int) -> None:
         peer = self._peers.pop(r)
@@ -365,7 +365,7 @@ class NixlCommunicator:
         self._seq = 0
         self._gone = frozenset()
         self._stash = {k: v for k, v in self._stash.items() if k[0] >= epoch}
-        log.info("%s: epoch %d active %s", self.name, epoch, new)
+        log.debug("%s: epoch %d active %s", self.name, epoch, new)
 
     def mask_remote(self) -> None:
         with self._lock:
@@ -489,7 +489,7 @@ class NixlCommunicator:
 
     def declare_gone(self, ranks: Iterable[int]) -> None:
         self._gone = frozenset(ranks)  # no lock: the collective holding it is what this unblocks
-        log.warning("%s: ranks %s declared gone", self.name, sorted(self._gone))
+        log.debug("%s: ranks %s declared gone", self.name, sorted(self._gone))
 
     def _wait(self, remotes, epoch, seq, handles) -> dict[int, int]:
         """Wait for a notification from every remote source and for our own WRITEs to finish."""

@@ -82,6 +82,7 @@ class PullDone(msgspec.Struct, frozen=True, tag="wt-done", array_like=True):
     tensors: int  # read from this source
     bytes: int
     ok: bool  # every tensor from this source matched its checksum
+    op: str = "-"  # the scale operation pulling, for the source's log
 
 
 _done_encoder = msgspec.msgpack.Encoder()
@@ -285,7 +286,13 @@ class WeightStore:
                     continue
                 self._done.append(m)
                 log.info(
-                    "%s: rank %d finished pulling %d tensors (%d B, ok=%s)", self.name, m.rank, m.tensors, m.bytes, m.ok
+                    "[op %s] %s: rank %d finished pulling %d tensors (%d B, ok=%s)",
+                    m.op,
+                    self.name,
+                    m.rank,
+                    m.tensors,
+                    m.bytes,
+                    m.ok,
                 )
 
     def pulls_done(self) -> list[PullDone]:
@@ -328,6 +335,7 @@ class WeightStore:
         progress: Callable[[int, int], None] | None = None,
         use_ipc: bool = True,
         partial: bool = False,
+        op: str = "-",
     ) -> PullStats:
         """READ each item's source tensor into self.tensors[dst_name], then verify every checksum.
 
@@ -405,7 +413,7 @@ class WeightStore:
             if lost and not partial:
                 self._release(xfers)
                 # Nothing of this pull is verified: no source may take it as done.
-                self._notify_done({r: xs for r, xs in plan.items() if r not in lost}, sources, set(plan))
+                self._notify_done({r: xs for r, xs in plan.items() if r not in lost}, sources, set(plan), op)
                 why = "; ".join(lost[r] for r in sorted(lost))
                 raise WeightTransferError(f"pull into rank {self.rank} failed: {why}")
             for r, why in sorted(lost.items()):
@@ -416,7 +424,7 @@ class WeightStore:
             bad = checks.bad([x for xs in (*kept.values(), local) for x in xs])
             t_end = time.monotonic()
 
-            self._notify_done(kept, sources, {it.src_rank for it, _, _ in bad})
+            self._notify_done(kept, sources, {it.src_rank for it, _, _ in bad}, op)
             self._release(xfers)
             if bad:
                 it, desc, got = bad[0]
@@ -442,7 +450,7 @@ class WeightStore:
                 local_bytes=local_bytes,
                 lost=gone,
             )
-            log.info(
+            log.debug(
                 "%s: pulled %d tensors, %.1f MiB from ranks %s in %.3fs (%.2f GB/s; transfer %.3fs, verify %.3fs)",
                 self.name,
                 stats.tensors,
@@ -661,12 +669,17 @@ class WeightStore:
         self._release([x for x in queue if x.src in failed])
         return queue, failed
 
-    def _notify_done(self, plan, sources, bad_src: set[int]) -> None:
+    def _notify_done(self, plan, sources, bad_src: set[int], op: str) -> None:
         """Tell each source we no longer read from it; ok=False if its data did not verify."""
         for r, xs in plan.items():
             msg = _done_encoder.encode(
                 PullDone(
-                    self.rank, self.name, sum(len(x.items) for x in xs), sum(x.nbytes for x in xs), r not in bad_src
+                    self.rank,
+                    self.name,
+                    sum(len(x.items) for x in xs),
+                    sum(x.nbytes for x in xs),
+                    r not in bad_src,
+                    op,
                 )
             )
             try:

@@ -13,26 +13,33 @@ from components.protocol.placement import Placement
 from components.protocol.transfer import PullItem, PullStats, WeightManifest
 
 
-class Describe(msgspec.Struct, tag="describe"):
+class Command(msgspec.Struct, kw_only=True):
+    """What the router asks of a rank. `op`: the id of the scale operation asking ("-" for none),
+    which the rank's log lines about it carry."""
+
+    op: str = "-"
+
+
+class Describe(Command, tag="describe"):
     pass
 
 
-class Connect(msgspec.Struct, tag="connect"):
+class Connect(Command, tag="connect"):
     peers: dict[int, bytes]  # rank -> communicator metadata
     activate: bool = False
 
 
-class Disconnect(msgspec.Struct, tag="disconnect"):
+class Disconnect(Command, tag="disconnect"):
     ranks: list[int]
 
 
-class Pause(msgspec.Struct, tag="pause"):
+class Pause(Command, tag="pause"):
     """Stop at a step boundary. `gone`: peers found dead, whom a collective in flight stops waiting for."""
 
     gone: list[int] = []
 
 
-class Configure(msgspec.Struct, tag="configure"):
+class Configure(Command, tag="configure"):
     """Install an active set and expert placement; only valid while paused (or not active)."""
 
     epoch: int
@@ -40,84 +47,77 @@ class Configure(msgspec.Struct, tag="configure"):
     placement: Placement
 
 
-class Resume(msgspec.Struct, tag="resume"):
+class Resume(Command, tag="resume"):
     pass
 
 
-class SetRoutable(msgspec.Struct, tag="set_routable"):
+class SetRoutable(Command, tag="set_routable"):
     routable: bool
 
 
-class LoadExperts(msgspec.Struct, tag="load_experts"):
+class LoadExperts(Command, tag="load_experts"):
     """Fill this rank's slots from the checkpoint (a cold start of the first group)."""
 
     placement: Placement
     since: Placement | None = None  # load only the slots whose expert differs from this placement
 
 
-class ExportWeights(msgspec.Struct, tag="export_weights"):
+class ExportWeights(Command, tag="export_weights"):
     """Reply with a manifest (addresses + checksums) of these weights; all when `names` is None."""
 
     names: list[str] | None = None
 
 
-class EndExport(msgspec.Struct, tag="end_export"):
+class EndExport(Command, tag="end_export"):
     """The pulls from this rank are over: stop driving NIXL progress for readers."""
 
 
-class PullWeights(msgspec.Struct, tag="pull_weights"):
+class PullWeights(Command, tag="pull_weights"):
     """Pull these items. A source lost on the way costs only its items: the reply lists them
     (PullStats.lost), and the router reads them from other holders next."""
 
     sources: dict[int, WeightManifest]
     items: list[PullItem]
-    op: str = "-"
 
 
-class DropSources(msgspec.Struct, tag="drop_sources"):
+class DropSources(Command, tag="drop_sources"):
     """These sources failed (the router found them dead or stalled): a pull reading from them
     gives up on them now, not at its timeout, and a later one does not start to."""
 
     agents: dict[str, str]  # source agent name (WeightManifest.agent) -> why
-    op: str = "-"
 
 
-class Warmup(msgspec.Struct, tag="warmup"):
+class Warmup(Command, tag="warmup"):
     """Run alone with remote peers masked under `placement`; `recapture` re-captures graphs
     (what a design without graph reuse must do)."""
 
     placement: Placement
     recapture: bool = False
-    op: str = "-"
 
 
-class Drain(msgspec.Struct, tag="drain"):
+class Drain(Command, tag="drain"):
     """Let this rank's requests finish for up to `timeout_s`, then hand the rest over: each goes on
     (prompt plus tokens so far, the latter replayed) on one of `targets`, the generate instances
     of the remaining ranks, its stream relayed through this rank."""
 
     timeout_s: float
     targets: list[int] = []
-    op: str = "-"
 
 
-class Exit(msgspec.Struct, tag="exit"):
-    op: str = "-"
+class Exit(Command, tag="exit"):
+    pass
 
 
-class Park(msgspec.Struct, tag="park"):
+class Park(Command, tag="park"):
     """Leave the group but stay alive and registered, holding no weights: the next scale-up
     restores this process instead of starting one (the parked snapshot tier). `checkpoint`: its
     CUDA state is checkpointed next, so it drops its NIXL agents too (Restore brings new ones)."""
 
     checkpoint: bool = False
-    op: str = "-"
 
 
-class Restore(msgspec.Struct, tag="restore"):
+class Restore(Command, tag="restore"):
     """A parked rank comes back: map its weight memory again (contents come from peers next)."""
-
-    op: str = "-"
 
 
 ControlRequest = (
