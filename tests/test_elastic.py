@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from components.graph.spawn import ROUTE_NOISE
 from components.planner.service import parse_prometheus
 from harness.server import Server, engine_reference, scale
 from harness.server import Traffic as _Traffic
@@ -71,6 +72,12 @@ def test_scale_under_traffic_loses_nothing(server, reference):
     assert set(up["phases"]) >= {"starting", "loading", "connecting", "warming", "committing"}
     assert up["pull_bytes"] > 0
     assert [op["parked"] for op in ops[1:]] == [[3], [2]]  # leaving ranks wait for the next scale-up
+    # The graph's output is what a person follows: every rank's lines about an operation carry its
+    # id, and the runtime's line per routed call (the router's probes: one per rank per second) is out.
+    for op in ops:
+        for r in range(max(op["from_size"], op["to_size"])):
+            assert f"[op {op['id']}] rank {r}: epoch" in server.output, (op["id"], r)
+    assert ROUTE_NOISE not in server.output
 
 
 BAD = [

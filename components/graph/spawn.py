@@ -17,6 +17,14 @@ import sys
 from components.graph.component import ProcessSpec
 
 TAIL_LINES = 20
+# Dynamo pins its `request_span` target to trace (a request id then reaches every line), which
+# lets an INFO line per routed call through whatever DYN_LOG says: for the router's status
+# probes, a line per rank per second. Dropped unless DYN_LOG asks for info or more.
+ROUTE_NOISE = "request_span: route request completed"
+
+
+def _quiet() -> bool:
+    return os.environ.get("DYN_LOG", "warn").split(",")[0].strip().lower() in ("warn", "error", "off")
 
 
 class Child:
@@ -46,7 +54,7 @@ class Child:
             pass
 
     async def _pump(self, stream: asyncio.StreamReader) -> None:
-        prefix = f"[{self.label}] "
+        prefix, quiet = f"[{self.label}] ", _quiet()
         while True:
             try:
                 raw = await stream.readline()
@@ -55,6 +63,8 @@ class Child:
             if not raw:
                 return
             line = raw.decode(errors="replace").rstrip("\n")
+            if quiet and ROUTE_NOISE in line:
+                continue
             self.tail.append(line)
             sys.stdout.write(prefix + line + "\n")
             sys.stdout.flush()
