@@ -107,7 +107,7 @@ class Load(Traffic):
 def non_defaults(args, dp_size: int) -> list[str]:
     """The `dynamo serve` options this run sets that differ from what a user gets by default. The
     planner is always off: the benchmark chooses the sizes."""
-    from components.worker import Worker
+    from components.worker.component import Worker
 
     default = Worker.Config()
     opts = ["--Planner.enabled=false"]

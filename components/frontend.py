@@ -24,7 +24,7 @@ from components.protocol.config import FrontendConfig
 log = logging.getLogger("components.frontend")
 
 # OpenAI parameters that Dynamo's frontend accepts and then drops while preprocessing a request:
-# no worker ever sees them, so the worker's own check (components/worker.py, `to_request`) cannot
+# no worker ever sees them, so the worker's own check (components/worker/generate_request.py, `to_request`) cannot
 # refuse them, and answering would pretend they were honoured. (parameter, the values that mean
 # "off", why). Accepted as they are: `user`, `metadata`, `service_tier` (identifiers),
 # `prediction` and `parallel_tool_calls` (without tools, no effect on the output);

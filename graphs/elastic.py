@@ -7,7 +7,7 @@ scales through the router's API (`--Planner.enabled=false` for manual scaling on
 from components.control.router import Router
 from components.frontend import Frontend
 from components.planner.service import Planner
-from components.worker import Worker
+from components.worker.component import Worker
 
 Frontend.link(Router).link(Worker)
 Frontend.link(Planner)

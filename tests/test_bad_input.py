@@ -19,7 +19,7 @@ import pytest
 from dynamo.llm.exceptions import InvalidArgument
 
 from components.frontend import dropped_parameter
-from components.worker import to_request
+from components.worker.generate_request import to_request
 from harness.server import Server
 
 MAX_LEN = 1024

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from components.worker import FAULT_ENV
+from components.worker.component import FAULT_ENV
 from harness.server import Server, Traffic, engine_reference, scale
 
 MAX_TOKENS = 24

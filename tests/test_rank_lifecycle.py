@@ -13,7 +13,9 @@ import pytest
 
 from components.protocol import messages as m
 from components.protocol.lifecycle import Lifecycle, RankState
-from components.worker import FAULT_ENV, RULES, RankServer, Worker, allowed, refusal
+from components.worker.component import FAULT_ENV, Worker
+from components.worker.rules import RULES, allowed, refusal
+from components.worker.server import RankServer
 
 S = RankState
 

@@ -66,7 +66,7 @@ def cli(*args, env_root=None, check=None):
 
 
 def test_defaults_follow_the_worker():
-    from components.worker import Worker
+    from components.worker.component import Worker
 
     c = Worker.Config()
     assert DEFAULTS == {k: getattr(c, k) for k in DEFAULTS}

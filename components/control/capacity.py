@@ -5,7 +5,7 @@ exist (a local process, a restored snapshot, a Kubernetes pod) is the provider's
 
 A joiner's process outlives the router that started it: a router restarted by `dynamo serve`
 finds it serving (or parked) and adopts it (`adopt`), so a router restart never costs a serving
-rank. It never outlives the graph: it watches `dynamo serve` itself (components/worker.py,
+rank. It never outlives the graph: it watches `dynamo serve` itself (components/worker/process.py,
 `die_with_graph`), and the router that adopted it stops it when the router stops.
 """
 
@@ -36,7 +36,7 @@ from components.graph.component import (
 )
 from components.graph.spawn import Child, adopt, spawn
 from components.protocol.config import WorkerConfig
-from components.worker import FAULT_ENV, OP_ENV, Worker
+from components.worker.component import FAULT_ENV, OP_ENV, Worker
 
 log = logging.getLogger("components.control.capacity")
 
@@ -193,7 +193,7 @@ class LocalProvider:
             return self._choose_snapshot_now(op)
 
     def _choose_snapshot_now(self, op: str):
-        from components.worker import model_source, rank_config
+        from components.worker.component import model_source, rank_config
         from snapshot.bake import target_for
         from snapshot.criu import criu_status
         from snapshot.store import find_compatible
@@ -267,7 +267,7 @@ class LocalProvider:
     async def _restore(self, rank: int, spec: ProcessSpec, env: dict[str, str], snap) -> Child:
         """Restore a copy of the snapshot's worker in its own PID namespace, and tell it through
         its stdin pipe which rank of which deployment it is (RankServer.restored)."""
-        from components.worker import RestoreIdentity
+        from components.worker.restore import RestoreIdentity
         from snapshot.bake import IMAGE_DIR
         from snapshot.criu_image import restore, verify_image
 

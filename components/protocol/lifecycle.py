@@ -5,7 +5,7 @@ state -> FAILED. A cold start skips RESTORED; the first ranks of a deployment ar
 (LOADED -> STAGED -> ACTIVE); the comparison modes A and B stage a joiner before warming it
 (LOADED -> STAGED -> WARMED -> ACTIVE); a scale-down that aborts puts its leaving ranks back
 (LEAVING -> ACTIVE). Which control message makes which move is declared by the worker's handlers
-(components/worker.py, `handles`).
+(components/worker/rules.py, `handles`).
 
 RankState is a str enum whose values are its names: RankStatus carries it as that name, and it
 compares and formats as that name, so /topology and the router's logs read as they did.

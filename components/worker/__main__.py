@@ -1,0 +1,32 @@
+"""`python -m components.worker`: one rank, or the process a snapshot image is baked from."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from components.worker.process import LOG_FORMAT, serve
+from components.worker.restore import baked
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="One DP/EP worker rank (started by `dynamo serve`).")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--rank", type=int)
+    g.add_argument("--bake", metavar="SPEC", help="be the process a criu-tier snapshot is dumped from")
+    p.add_argument(
+        "--join",
+        action="store_true",
+        help="join a serving group: pull weights from peers instead of reading the checkpoint",
+    )
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    if args.bake:
+        baked(args.bake)
+    else:
+        asyncio.run(serve(args.rank, args.join))
+
+
+if __name__ == "__main__":
+    main()
