@@ -2,13 +2,16 @@
 
 Bakes a criu-tier snapshot of the deployment's worker (`snapshot-bake bake`, timed), serves the
 graph (`dynamo serve graphs/elastic:Frontend`, options after `--`) at one rank with an empty
-snapshot store, scales 1 -> 2 (rank 1 starts cold), moves the snapshot into the store and scales
-2 -> 3 (rank 2 is restored from it). Per join: the operation's phases from the router's record,
+snapshot store and scales 1 -> 2 (rank 1 starts cold), then serves it again with the snapshot in
+the store, as a user would (the router chooses it and verifies its checksums as it starts), and
+scales 1 -> 2 (rank 1 is restored from it). Per join: the operation's phases from the router's record,
 "starting" being the joiner's process start (or restore) until it registered, and its total,
 start to serving (routable). After each join, greedy completions must equal the first ones seen.
 `--device cuda`: the snapshot is baked on the GPU (VMM arena released, CUDA-checkpointed) and the
 deployment runs there (Worker.vmm on); each join's steps (CRIU restore, CUDA restore and unlock,
-arena remap, weight pull) are read from the graph's log.
+arena remap, weight pull) are read from the graph's log. Each join also has a timeline from the log's
+timestamps: when, after its operation started, the joiner's process was up (or restored), its
+NIXL agents were up, it registered, and the router found it, which is what "starting" is made of.
 Results: a table and bench/results/join.json (join_cuda.json on CUDA; `--out`).
 """
 
@@ -22,33 +25,95 @@ import shutil
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 from bench.measure import write_results
 from harness.server import Server, scale
 
 PHASES = ["starting", "loading", "warming", "connecting", "committing"]
-# What a restored joiner's "starting" and "loading" are made of, from the graph's log.
-RESTORE_STEPS = {
+# What a joiner's "starting" and "loading" are made of, from the graph's log.
+STEPS = {
     "criu_restore": r"Worker\.{rank}: criu restore took ([0-9.]+) s",
     "cuda_restore": r"Worker\.{rank}: CUDA state restored in ([0-9.]+) s",
     "cuda_unlock": r"Worker\.{rank}: CUDA state restored in [0-9.]+ s, unlocked in ([0-9.]+) s",
     "arena_remap": r"rank {rank}: VMM arena remapped in ([0-9.]+) s",
+    "ep_agent": r"ep-{rank}-\w+: NIXL agent up in ([0-9.]+)s",
+    "weights_agent": r"weights-{rank}-[\w-]+: NIXL agent up in ([0-9.]+)s",
     "weight_pull": r"rank {rank}: pulled \d+ tensors, [0-9.]+ MB in ([0-9.]+) s",
 }
+# Moments of a join, from its operation's start (the first line of each found after it).
+TIMELINE = {
+    "restored": r"\[op {op}\] Worker\.{rank}: criu restore took",
+    "cuda_restored": r"\[op {op}\] Worker\.{rank}: CUDA state restored in",
+    "process_up": r"\[op {op}\] rank {rank}: (?:joiner up|BOOTING -> RESTORED)",
+    "agents_up": r"weights-{rank}-[\w-]+: NIXL agent up",
+    "registered": r"\[op {op}\] rank {rank}: serving .* waiting for the router",
+    "found_by_router": r"found rank {rank} \(",
+    "loading": r"\[op {op}\] starting -> loading",
+}
+STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
-def restore_timings(log: str, rank: int) -> dict[str, float]:
-    """Seconds of each step of RESTORE_STEPS the log shows for `rank` (the last of each)."""
+def join_steps(log: str, rank: int) -> dict[str, float]:
+    """Seconds of each step of STEPS the log shows for `rank` (the last of each)."""
     out = {}
-    for step, pattern in RESTORE_STEPS.items():
+    for step, pattern in STEPS.items():
         found = re.findall(pattern.format(rank=rank), log)
         if found:
             out[step] = float(found[-1])
     return out
 
 
+def timeline(log: str, rank: int, op: str) -> dict[str, float]:
+    """Seconds from operation `op`'s start to each moment of TIMELINE the log shows for `rank`."""
+
+    def stamp(line: str) -> float | None:
+        m = STAMP.search(line)
+        return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else None
+
+    lines = log.splitlines()
+    start = next((i for i, line in enumerate(lines) if f"[op {op}] queued -> " in line), None)
+    t0 = stamp(lines[start]) if start is not None else None
+    if t0 is None:
+        return {}
+    out = {}
+    for moment, pattern in TIMELINE.items():
+        rx = re.compile(pattern.format(rank=rank, op=re.escape(op)))
+        at = next((stamp(line) for line in lines[start:] if rx.search(line)), None)
+        if at is not None:
+            out[moment] = round(at - t0, 3)
+    return out
+
+
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(4)]
+
+
+def join(opts: list[str], max_tokens: int, ready: str) -> dict:
+    """Serve one rank, wait for `ready` in the log, scale 1 -> 2: the join's row."""
+    srv = Server(opts, boot_timeout_s=600, model=None)
+    try:
+        deadline = time.monotonic() + 600
+        while ready not in srv.output:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no {ready!r} in the log within 600 s:\n{srv.tail(40)}")
+            time.sleep(0.1)
+        first = [srv.stream_text(q, max_tokens) for q in PROMPTS]
+        op = scale(srv, 2)
+        if op["phase"] != "done":
+            raise SystemExit(f"scale to 2 failed: {op}")
+        return {
+            "joined_from": op["joined_from"]["1"],
+            "scale": "1 -> 2",
+            "phases": {k: op["phases"].get(k, 0.0) for k in PHASES},
+            "total_s": op["total_s"],
+            "steps": join_steps(srv.output, 1),
+            "timeline": timeline(srv.output, 1, op["id"]),
+            "snapshot_refused": op["snapshot_refused"],
+            "greedy_equal": [srv.stream_text(q, max_tokens) for q in PROMPTS] == first,
+        }
+    finally:
+        srv.stop()
 
 
 def main() -> None:
@@ -99,30 +164,14 @@ def main() -> None:
         *args.graph_args,
     ]
     out = args.out or Path("bench/results/join_cuda.json" if args.device == "cuda" else "bench/results/join.json")
-    srv = Server(opts, boot_timeout_s=600, model=None)
     rows = []
     try:
-        first = [srv.stream_text(q, args.max_tokens) for q in PROMPTS]
-        for size, how in ((2, "cold"), (3, "snapshot")):
-            if how == "snapshot":
-                snap.rename(root / snap.name)
-            op = scale(srv, size)
-            if op["phase"] != "done":
-                raise SystemExit(f"scale to {size} failed: {op}")
-            joiner = str(size - 1)
-            rows.append(
-                {
-                    "joined_from": op["joined_from"][joiner],
-                    "scale": f"{size - 1} -> {size}",
-                    "phases": {k: op["phases"].get(k, 0.0) for k in PHASES},
-                    "total_s": op["total_s"],
-                    "steps": restore_timings(srv.output, size - 1),
-                    "snapshot_refused": op["snapshot_refused"],
-                    "greedy_equal": [srv.stream_text(q, args.max_tokens) for q in PROMPTS] == first,
-                }
-            )
+        rows.append(join(opts, args.max_tokens, ready=""))  # an empty store: a cold joiner
+        snap.rename(root / snap.name)
+        # As a user serves it: the snapshot in the store from the start, chosen (and its
+        # checksums verified) by the router as it starts, before any scale-up.
+        rows.append(join(opts, args.max_tokens, ready="joiners will be restored from snapshot"))
     finally:
-        srv.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     result = {
         "command": " ".join([sys.executable, "-m", "bench.join", *sys.argv[1:]]),
@@ -144,6 +193,11 @@ def main() -> None:
         )
     for r in rows:
         print(f"{r['joined_from']} joiner steps (s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["steps"].items()))
+    print("\nseconds from the operation's start:")
+    print("| joined from | " + " | ".join(TIMELINE) + " |")
+    print("|---|" + "---|" * len(TIMELINE))
+    for r in rows:
+        print(f"| {r['joined_from']} | " + " | ".join(f"{r['timeline'].get(k, '-')}" for k in TIMELINE) + " |")
     print(f"wrote {out}")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.join import restore_timings
+from bench.join import join_steps
 from harness.server import Server, Traffic, engine_reference, scale
 
 pytestmark = pytest.mark.gpu
@@ -85,7 +85,7 @@ def test_a_joiner_restored_from_a_cuda_snapshot_serves_the_reference(tmp_path, m
         "cuda_checkpoint_s": warm.get("cuda_checkpoint_s"),
         "phases_s": up.get("phases"),
         "total_s": up.get("total_s"),
-        "restore_s": restore_timings(log, 1),
+        "restore_s": join_steps(log, 1),
     }
     print("\nCUDA snapshot join:", json.dumps(timings, indent=2))
     if os.environ.get("OUT"):

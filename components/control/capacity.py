@@ -102,7 +102,7 @@ class LocalProvider:
             # Choosing a snapshot imports torch, reads the model's config and hashes every image
             # file (seconds for a CUDA image of GBs): done once now, so the first scale-up's
             # starting phase finds the imports done and the checksums cached (manifest.verify).
-            choose = threading.Thread(target=self._choose_snapshot, args=("startup",), name="snapshot-choice")
+            choose = threading.Thread(target=self._choose_at_startup, name="snapshot-choice")
             choose.daemon = True
             choose.start()
         self.adopted: dict[int, int] = {}  # rank -> pid: joiners an earlier router started
@@ -185,6 +185,15 @@ class LocalProvider:
         if failed:
             raise failed[0]
         return how
+
+    def _choose_at_startup(self) -> None:
+        t0 = time.perf_counter()
+        snap, why = self._choose_snapshot("startup")
+        if snap is None:
+            log.info("no snapshot to restore joiners from yet (%s)", why)
+            return
+        took = time.perf_counter() - t0
+        log.info("joiners will be restored from snapshot %s (fits, checksums verified in %.2f s)", snap.path, took)
 
     def _choose_snapshot(self, op: str):
         """The newest criu-tier snapshot under Worker.snapshot_root that fits and passes its
@@ -286,13 +295,18 @@ class LocalProvider:
                 manifest=verify_image(image, checksums=False),
                 dies_with=int(env.get(GRAPH_PID_ENV) or 0),
             )
-            log.info("Worker.%d: criu restore took %.3f s", rank, time.perf_counter() - t0)
+            op = env.get(OP_ENV, "-")
+            log.info("[op %s] Worker.%d: criu restore took %.3f s", op, rank, time.perf_counter() - t0)
             if self.wcfg.device == "cuda":
                 from snapshot import cuda_checkpoint
 
                 t = await asyncio.to_thread(cuda_checkpoint.restore, restored.pid)
                 log.info(
-                    "Worker.%d: CUDA state restored in %.3f s, unlocked in %.3f s", rank, t["restore"], t["unlock"]
+                    "[op %s] Worker.%d: CUDA state restored in %.3f s, unlocked in %.3f s",
+                    op,
+                    rank,
+                    t["restore"],
+                    t["unlock"],
                 )
             who = RestoreIdentity(
                 rank=rank,
