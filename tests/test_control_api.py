@@ -201,3 +201,48 @@ def test_scale_modes_by_letter_or_name():
         assert svc.parse_scale(b'{"dp_size": 3, "mode": "%s"}' % text.encode(), ScaleBody).mode is mode
     req = svc.parse_scale(b'{"new_data_parallel_size": 3, "drain_timeout": 5}', ElasticEPBody)
     assert (req.dp_size, req.mode, req.drain_timeout_s) == (3, ScaleMode.PREPARE_ASYNC_REUSE_GRAPHS, 5.0)
+
+
+def test_a_rank_that_does_not_answer_does_not_hold_up_finding_a_dead_one():
+    """Rank 0 stalls (its status probe hangs until rank_timeout_s); rank 1's process dies. The
+    router's next status round fails rank 1 over while rank 0's probe still waits."""
+
+    class Provider:
+        def alive(self, rank):
+            return rank != 1
+
+    class Scaler:
+        failing: set[int] = set()
+        current = None
+        busy = False
+
+        def __init__(self):
+            self.failed = asyncio.get_running_loop().create_future()
+
+        def fail(self, ranks):
+            if not self.failed.done():
+                self.failed.set_result((ranks, set(probes)))
+
+    probes: set[int] = set()  # ranks whose probe is waiting for an answer
+
+    async def send(rank, msg):
+        probes.add(rank)
+        if rank == 0:
+            await asyncio.sleep(3600)  # stalled
+        probes.discard(rank)
+
+    async def run():
+        svc = RouterService(None, None, RouterConfig(status_interval_s=0.05, rank_timeout_s=60), WorkerConfig())
+        svc.instances = {0: 100, 1: 101}
+        svc._committed = Committed(epoch=1, active=[0, 1], placement=None)
+        svc.send = send
+        svc.scaler = Scaler()
+        svc.ready.set()
+        refresh = asyncio.create_task(svc.refresh(Provider()))
+        try:
+            return await asyncio.wait_for(svc.scaler.failed, timeout=30)
+        finally:
+            refresh.cancel()
+
+    ranks, waiting = asyncio.run(run())
+    assert ranks == [1] and waiting == {0}
