@@ -129,6 +129,8 @@ class Scaler:
             self.tally.count(op.record)
             self.owner.operation_ended(op.record, result)
             masked = set(op.record.masked)  # by a failover, a rollback, or a scale-up's own failover
+            # Found dead by their provider before the router looked: failed over all the same.
+            self.failing |= set(op.gave_way_to) - masked
             if (op.preempted or (masked and op.record.phase == "done")) and not failed and self.pending is None:
                 # Cut short by a failed serving rank, or done less the ranks it masked out: tried
                 # again once that rank is masked out (by the failover or its rollback), and then it
@@ -139,8 +141,7 @@ class Scaler:
                 # A survivor failed too (it is found and joins `failing`): try again shortly.
                 await asyncio.sleep(self.cfg.status_interval_s)
                 continue
-            # Found by the provider before the router looked: failed over all the same.
-            self.failing = (self.failing | set(op.gave_way_to)) - masked
+            self.failing -= masked
             if masked and self.pending is None:
                 # The capacity provider replaces what failed: back to the size before.
                 self.pending = ScaleRequest(dp_size=len(start.active))
