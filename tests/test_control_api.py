@@ -4,14 +4,18 @@ call it, and what a bad request gets."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 from types import SimpleNamespace
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from components.control.capacity import LocalProvider
 from components.control.journal import Tally
 from components.control.router import ElasticEPBody, RouterService, ScaleBody
+from components.graph.component import GraphContext
 from components.planner.service import parse_prometheus
 from components.protocol.config import RouterConfig, WorkerConfig
 from components.protocol.lifecycle import RankState
@@ -246,3 +250,21 @@ def test_a_rank_that_does_not_answer_does_not_hold_up_finding_a_dead_one():
 
     ranks, waiting = asyncio.run(run())
     assert ranks == [1] and waiting == {0}
+
+
+def test_the_local_provider_sees_a_rank_it_did_not_start_die():
+    """Ranks `dynamo serve` started report their PID; once watched, their death is seen at the
+    provider's next look (a zombie counts), not a heartbeat timeout later."""
+    provider = LocalProvider(GraphContext("ns", "file", "", "", {}))
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert provider.alive(5) is None  # nothing known about rank 5
+        provider.watch(5, proc.pid)
+        assert provider.alive(5) is True
+        proc.kill()
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
+        assert provider.alive(5) is False
+    finally:
+        proc.kill()
+        proc.wait()
+    assert provider.alive(5) is False

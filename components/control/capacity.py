@@ -60,8 +60,12 @@ class CapacityProvider(Protocol):
         weights; on a GPU its CUDA state is checkpointed, so it holds no GPU memory either)."""
 
     def alive(self, rank: int) -> bool | None:
-        """False once a rank this provider started (or adopted) has died; None for ranks it did
-        not start."""
+        """False once a rank this provider started, adopted or watches has died; None for ranks
+        it knows nothing about."""
+
+    def watch(self, rank: int, pid: int) -> None:
+        """A rank this provider did not start reported its process: `alive` judges it too, where
+        this provider can see that process."""
 
     def adopt(self, rank: int, pid: int, joiner: bool, parked: bool) -> None:
         """A restarted router found this rank's process alive: from now on it is this provider's
@@ -106,6 +110,9 @@ class LocalProvider:
             choose.daemon = True
             choose.start()
         self.adopted: dict[int, int] = {}  # rank -> pid: joiners an earlier router started
+        # rank -> pid: ranks `dynamo serve` started, as they report it. Their death is seen here at
+        # the next look, not a heartbeat timeout later.
+        self.watched: dict[int, int] = {}
         self.cuda_copies: set[int] = set()  # ranks restored from a CUDA image (one at a time)
 
     @functools.cached_property
@@ -333,7 +340,11 @@ class LocalProvider:
         child = self.procs.get(rank)
         if child is not None:
             return child.alive()
-        return None if rank not in self.adopted else not _gone(self.adopted[rank])
+        pid = self.adopted.get(rank, self.watched.get(rank))
+        return None if pid is None else not _gone(pid)
+
+    def watch(self, rank: int, pid: int) -> None:
+        self.watched[rank] = pid
 
     def adopt(self, rank: int, pid: int, joiner: bool, parked: bool) -> None:
         if joiner:
@@ -344,6 +355,7 @@ class LocalProvider:
 
     async def release(self, rank: int, op: str, graceful: bool = True) -> None:
         pid, _ = self.parked.pop(rank, (self.restored.pop(rank, None), False))
+        self.watched.pop(rank, None)
         child = self.procs.pop(rank, None)
         adopted = self.adopted.pop(rank, None)
         if adopted is not None:
@@ -375,6 +387,7 @@ class LocalProvider:
         self.parked.pop(rank, None)
         self.restored.pop(rank, None)
         self.adopted.pop(rank, None)
+        self.watched.pop(rank, None)
         # A rank `dynamo serve` or an earlier router started: kill the pid if it is still that
         # rank's worker (a pid is reused only after its process was reaped).
         try:

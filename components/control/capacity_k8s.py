@@ -165,6 +165,9 @@ class KubernetesProvider:
             return None
         return self._phase.get(rank) not in ("Failed", "Gone")
 
+    def watch(self, rank: int, pid: int) -> None:
+        pass  # a PID in another pod: its pod's phase says whether it runs
+
     def adopt(self, rank: int, pid: int, joiner: bool, parked: bool) -> None:
         # Pods outlive any router; a joiner's pod is this provider's to release again.
         if joiner:

@@ -371,6 +371,8 @@ class RouterService:
             probes.update({r: asyncio.create_task(self._probe(r)) for r in self.instances if r not in probes})
             if probes:
                 await asyncio.wait(probes.values(), timeout=interval)
+            for r, st in list(self.statuses.items()):
+                provider.watch(r, st.pid)
             failed = self.find_failed(provider)
             if failed:
                 self.scaler.fail(sorted(failed))
