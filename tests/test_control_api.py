@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -253,18 +254,23 @@ def test_a_rank_that_does_not_answer_does_not_hold_up_finding_a_dead_one():
 
 
 def test_the_local_provider_sees_a_rank_it_did_not_start_die():
-    """Ranks `dynamo serve` started report their PID; once watched, their death is seen at the
-    provider's next look (a zombie counts), not a heartbeat timeout later."""
+    """Ranks `dynamo serve` started report their PID; once watched (a PID that is that rank's
+    worker here), their death is seen at the provider's next look (a zombie counts), not a
+    heartbeat timeout later."""
     provider = LocalProvider(GraphContext("ns", "file", "", "", {}))
-    proc = subprocess.Popen(["sleep", "60"])
+    other = subprocess.Popen(["sleep", "60"])
+    # What `ps` shows of a rank's worker: its argv.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "components.worker", "--rank", "5"])
     try:
-        assert provider.alive(5) is None  # nothing known about rank 5
+        provider.watch(5, other.pid)  # not rank 5's worker (another PID namespace's PID, say)
+        assert provider.alive(5) is None
         provider.watch(5, proc.pid)
         assert provider.alive(5) is True
         proc.kill()
         os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
         assert provider.alive(5) is False
     finally:
-        proc.kill()
-        proc.wait()
+        for p in (proc, other):
+            p.kill()
+            p.wait()
     assert provider.alive(5) is False

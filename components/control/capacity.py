@@ -344,7 +344,10 @@ class LocalProvider:
         return None if pid is None else not _gone(pid)
 
     def watch(self, rank: int, pid: int) -> None:
-        self.watched[rank] = pid
+        # Only a PID that is this rank's worker here: one from another PID namespace (a rank in a
+        # container of its own) would look dead.
+        if self.watched.get(rank) != pid and _is_worker(pid, rank):
+            self.watched[rank] = pid
 
     def adopt(self, rank: int, pid: int, joiner: bool, parked: bool) -> None:
         if joiner:
@@ -390,13 +393,10 @@ class LocalProvider:
         self.watched.pop(rank, None)
         # A rank `dynamo serve` or an earlier router started: kill the pid if it is still that
         # rank's worker (a pid is reused only after its process was reaped).
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
+        if _gone(pid):
             log.info("[op %s] Worker.%d (pid %d) is already gone", op, rank, pid)
             return
-        # A copy restored from a snapshot image has the baked process's argv (`--bake`).
-        if b"components.worker" in argv and (str(rank).encode() in argv or b"--bake" in argv):
+        if _is_worker(pid, rank):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # exited since its cmdline was read
@@ -407,6 +407,16 @@ class LocalProvider:
     async def close(self) -> None:
         ranks = set(self.procs) | set(self.adopted)
         await asyncio.gather(*(self.release(r, "shutdown", graceful=False) for r in sorted(ranks)))
+
+
+def _is_worker(pid: int, rank: int) -> bool:
+    """The process `pid` is rank `rank`'s worker (a copy restored from a snapshot image has the
+    baked process's argv, `--bake`)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"components.worker" in argv and (str(rank).encode() in argv or b"--bake" in argv)
 
 
 def _gone(pid: int) -> bool:
