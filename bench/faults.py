@@ -155,7 +155,8 @@ def source_killed_mid_pull(srv: Server, args) -> dict:
     repulled = sorted({int(r) for loss in up["pull_losses"] for r in loss["repulled_from"]})
     tensors = sum(len(names) for loss in up["pull_losses"] for names in loss["repulled_from"].values())
     return {
-        "detected_s": log_time(srv, r"rank 1 failed: ") - t,
+        # The router's verdict, or the scale-up's own (its provider saw the process die first).
+        "detected_s": log_time(srv, r"rank 1 failed: |-> masking \(.*\): ranks \[1\] failed") - t,
         "recovered_s": up["failover_committed_at"] - t if up["failover_committed_at"] else None,
         "failover_downtime_ms": up["failover_downtime_s"] * 1e3 if up["failover_downtime_s"] is not None else None,
         "replaced_s": last["committed_at"] - t if last["kind"] == "up" and last["committed_at"] else None,

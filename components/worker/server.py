@@ -260,9 +260,8 @@ class RankServer:
                 self.note(msg.op, f"injected fault: exiting on {self.faults.exit_on}", logging.ERROR)
                 os._exit(17)
             if self.faults.stall_on and self.faults.stall_on == raw.get("type"):
-                self.note(
-                    msg, f"injected fault: stalling {self.faults.stall_on} {self.faults.stall_s:.1f} s", logging.ERROR
-                )
+                stall = f"injected fault: stalling {self.faults.stall_on} {self.faults.stall_s:.1f} s"
+                self.note(msg.op, stall, logging.ERROR)
                 await asyncio.sleep(self.faults.stall_s)
             kind, state = type(msg), self.life.state
             if not allowed(kind, state):
