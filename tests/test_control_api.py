@@ -7,6 +7,8 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -262,6 +264,9 @@ def test_the_local_provider_sees_a_rank_it_did_not_start_die():
     # What `ps` shows of a rank's worker: its argv.
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "components.worker", "--rank", "5"])
     try:
+        for p, argv0 in ((proc, sys.executable), (other, "sleep")):  # exec'd: /proc shows its argv
+            while not Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(argv0.encode() + b"\0"):
+                time.sleep(0.01)
         provider.watch(5, other.pid)  # not rank 5's worker (another PID namespace's PID, say)
         assert provider.alive(5) is None
         provider.watch(5, proc.pid)
