@@ -9,8 +9,9 @@ engine code is what a server runs:
 
   header     the per-step all-to-all of (has_work, wants_pause) among the active ranks
   schedule   picking the step's sequences (Scheduler.schedule)
-  inputs     the batch's tensors on the device (Scheduler.batch) and the sampling parameters
-  launch     queueing the forward: graph inputs copied in and the graph replayed (or eager kernels)
+  inputs     the step's rows on the host (Scheduler.rows) and the sampling parameters on the device
+  launch     queueing the forward: the rows copied into the graph's inputs (one copy) and the graph
+             replayed (or the rows on the device and eager kernels)
   wait       until the device finished the step (EngineRank._settle) and the sampled ids are read
   update     appending tokens and emitting them (Scheduler.update)
 
@@ -65,6 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no-batch-invariant: a graph per batch size, mixed prefill and decode steps",
     )
     ap.add_argument("--replays", type=int, default=50, help="graph replays timed per batch size")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list the decode graph's kernels (count, device time, the costliest) for each batch size",
+    )
     ap.add_argument("--hbm-gbps", type=float, default=4000.0, help="memory bandwidth of the floor (H200: 4000)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/step.json"), help="JSON results file")
     args = ap.parse_args(argv)
@@ -104,7 +110,7 @@ class PhaseClock:
         eng._step = timed_step
         sched.schedule = timed_schedule
         self._wrap(eng.comm, "all_to_all", "header", first_only=True)
-        self._wrap(sched, "batch", "inputs")
+        self._wrap(sched, "rows", "inputs")
         self._wrap(eng, "_sample_params", "inputs")
         if eng.graphs is not None:
             self._wrap(eng.graphs, "run", "launch")
@@ -135,25 +141,41 @@ def graph_ms(eng, batch: int, replays: int) -> float | None:
     """The decode graph of `batch` replayed alone: median ms, a sync around each replay."""
     if eng.graphs is None or batch > eng.graphs.sizes[-1]:
         return None
-    from components.engine.layers import ForwardBatch
+    fb = graph_rows(eng, batch)
+    return median_ms(lambda: eng.graphs.run(fb), replays)  # on the loop thread: its device is current
 
-    dev, slots = eng.device, list(range(batch))
+
+def graph_rows(eng, batch: int):
+    from components.engine.layers import StepRows
+
+    slots = list(range(batch))
     # Distinct tokens, so that rows spread over the experts as a real batch's do (one token
     # repeated routes every row to the same two).
     ids = torch.randint(0, eng.model_config.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
-    fb = ForwardBatch(
-        input_ids=ids.to(dev),
-        positions=torch.full((batch,), 100, dtype=torch.int64, device=dev),
-        token_slots=torch.tensor(slots, device=dev),
-        slots=torch.tensor(slots, device=dev),
-        ctx_lens=torch.full((batch,), 101, dtype=torch.int64, device=dev),
-        last_index=torch.arange(batch, device=dev),
-        q_lens=[1] * batch,
-        ctx_lens_list=[101] * batch,
-        slots_list=slots,
-        kv_len=101,
+    return StepRows(ids.tolist(), [100] * batch, slots, slots, [101] * batch, slots, [1] * batch)
+
+
+def kernel_profile(eng, batch: int, replays: int, top: int = 12) -> dict:
+    """The kernels of one replay of the decode graph (CUPTI through torch.profiler): how many,
+    their device time, and the `top` kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = graph_rows(eng, batch)
+    eng.graphs.run(step)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            eng.graphs.run(step)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    per = sorted(
+        ((e.key, e.device_time_total / replays / 1e3, e.count / replays) for e in kernels), key=lambda k: -k[1]
     )
-    return median_ms(lambda: eng.graphs.run(fb), replays)  # on the loop thread: its device is current
+    return {
+        "kernels": sum(c for _, _, c in per),
+        "device_ms": sum(t for _, t, _ in per),
+        "top": [{"kernel": k[:90], "ms": t, "launches": c} for k, t, c in per[:top]],
+    }
 
 
 def weight_bytes(eng) -> int:
@@ -200,6 +222,12 @@ def main(argv=None) -> int:
             p50 = {k: statistics.median(s[k] for s in full) * 1e3 for k in ("total", *PHASES)}
             totals = sorted(s["total"] for s in full)
             gms = eng.call(lambda b=b: graph_ms(eng, b, args.replays)).result(600) if eng.graphs else None
+            prof = None
+            if args.profile and eng.graphs:
+                prof = eng.call(lambda b=b: kernel_profile(eng, b, args.replays)).result(600)
+                print(f"batch {b}: {prof['kernels']:.0f} kernels, {prof['device_ms']:.3f} ms of device time a replay")
+                for k in prof["top"]:
+                    print(f"  {k['ms']:.4f} ms  x{k['launches']:.0f}  {k['kernel']}")
             rows.append(
                 {
                     "batch": b,
@@ -211,6 +239,7 @@ def main(argv=None) -> int:
                     "floor_ms": floor_ms,
                     "tok_s": b * len(full) / sum(totals) if totals else None,
                     "wall_s": wall,
+                    **({"profile": prof} if prof else {}),
                 }
             )
     finally:

@@ -46,21 +46,23 @@ def main() -> None:
     # the model for prefill and eager decode, the decode graphs on CUDA (test-only wrapping).
     logits: dict[str, list] = {}
 
-    def recording(fn):
+    def recording(fn, host):
+        """`host(batch)`: the step's sequence slots and context lengths, as lists."""
+
         def run(batch, *args):
             out = fn(batch, *args)
             by_slot = {s.slot: s for s in eng.sched.running}
-            for i, slot in enumerate(batch.slots.tolist()):
+            for i, (slot, ctx) in enumerate(zip(*host(batch))):
                 seq = by_slot[slot]
-                if batch.ctx_lens_list[i] == len(seq.tokens):
+                if ctx == len(seq.tokens):
                     logits.setdefault(seq.req.request_id, []).append(out[i].tolist())
             return out
 
         return run
 
-    eng.model.forward = recording(eng.model.forward)
+    eng.model.forward = recording(eng.model.forward, lambda b: (b.slots_list, b.ctx_lens_list))
     if eng.graphs is not None:
-        eng.graphs.run = recording(eng.graphs.run)
+        eng.graphs.run = recording(eng.graphs.run, lambda rows: (rows.slots, rows.ctx_lens))
     eng.comm.set_active([], 0)
     eng.start()
     report = []

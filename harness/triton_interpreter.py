@@ -29,3 +29,36 @@ def enable() -> None:
         return dot(self, widen(a), widen(b), *rest)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
+
+    # Its fp32 -> bf16 cast truncates the mantissa (`.to(tl.bfloat16)` rounds to nearest even on a
+    # GPU) and mangles subnormals, so a kernel's bf16 result could not equal torch's bitwise: both
+    # directions go through torch (bf16 -> fp32 is exact: the bit pattern shifted).
+    cast, fp_to_fp = interpreter.InterpreterBuilder.cast_impl, interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def to_bf16(src):
+        import torch
+
+        bf16 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+        return interpreter.TensorHandle(bf16.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return to_bf16(src)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            return widen(src)
+        return cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return to_bf16(src)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+    # libdevice's functions are stubs the compiler links in, which the interpreter cannot call;
+    # the kernels use libdevice.exp (torch's expf) where tl.exp would be the approximate ex2, and
+    # here numpy's exp stands in (the interpreted tl.exp), within an ulp of it.
+    from triton.language.extra import libdevice
+
+    libdevice.exp = lambda x: tl.exp(x)

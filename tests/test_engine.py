@@ -61,7 +61,7 @@ def test_single_rank_matches_transformers(model, device, invariant):
         for tok in ref:
             work = eng.sched.schedule()
             with torch.no_grad():
-                got.append(eng.model(eng.sched.batch(work, eng.device), eng.kv)[0].cpu())
+                got.append(eng.model(eng.sched.rows(work).on(eng.device), eng.kv)[0].cpu())
             eng.sched.update(work, [tok])
         eng.sched.cancel("x")
         assert_logits_close(torch.stack(got), want)
@@ -212,6 +212,46 @@ def test_dispatch_follows_the_device_ep_mask(tmp_path, device):
     eng.comm.set_active([], 1)
     ep.sync_mask()
     assert ep.mask.tolist() == [False, False] and ep.mask.data_ptr() == mask_at
+    eng.comm.close()
+
+
+def decode_rows():
+    from components.engine.layers import StepRows
+
+    ids, pos = [5, 9, 2, 7], [3, 0, 10, 1]
+    return StepRows(ids, pos, [0, 1, 2, 3], [0, 1, 2, 3], [p + 1 for p in pos], [0, 1, 2, 3], [1] * 4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_blocks_fed_their_input_normed_with_the_residual_add_compute_the_forward(tmp_path, device):
+    """The decode graphs' chaining of blocks: each residual sum made in the norm that reads it
+    next (RMSNorm.add_and_norm: one kernel on CUDA), the block taking that normed input (attend's
+    `normed`), the last sum normed by the final norm, is bit for bit the eager forward's add, then
+    norm, through a MoE block with a shared expert and a dense one."""
+    eng = single_rank(
+        make_checkpoint("qwen2_moe", tmp_path / "ckpt"), device, dtype="bfloat16" if device == "cuda" else ""
+    )
+    m, batch = eng.model, decode_rows().on(eng.device)
+    want = m(batch, eng.kv)  # writes the rows' keys and values, which the chain below writes again
+    blocks = list(m.model.layers)
+    x, x_normed = m.model.embed_tokens(batch.input_ids), None
+    for i, block in enumerate(blocks):
+        h, n = block.attend(x, batch, eng.kv, normed=x_normed)
+        norm = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else m.model.norm
+        x, x_normed = norm.add_and_norm(block.ffn(n), h)
+    assert torch.equal(m.lm_head(x_normed).float(), want)
+    eng.comm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_graphs_compute_the_eager_forwards_logits_bitwise(tmp_path, arch):
+    """A decode step replayed from the graphs (residual adds fused into the next norm) against
+    the eager forward of the same rows (same shapes, so the same kernels): equal logits."""
+    eng = single_rank(make_checkpoint(arch, tmp_path / "ckpt"), "cuda", dtype="bfloat16", cuda_graph_sizes=(4,))
+    rows = decode_rows()
+    got = eng.graphs.run(rows).clone()
+    assert torch.equal(got, eng.model(rows.on(eng.device), eng.kv))
     eng.comm.close()
 
 

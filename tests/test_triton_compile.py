@@ -31,4 +31,4 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     compiled = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("ok ")}
     # Every kernel a wrapper launches, including the peer-window exchange's, reached a cubin.
-    assert {"_decode_kernel", "_expert_kernel", "_send_kernel", "_wait_kernel", "_block_sums"} <= compiled
+    assert {"_decode_kernel", "_expert_kernel", "_route_kernel", "_send_kernel", "_block_sums"} <= compiled

@@ -1,5 +1,6 @@
 """The engine's Triton kernels against torch: decode attention (decode_attention.py) against
-scaled_dot_product_attention, the expert GEMMs (expert_gemm.py) against SwiGLU in fp32. Compiled on
+scaled_dot_product_attention, the expert GEMMs (expert_gemm.py) against SwiGLU in fp32 and their
+grouping of rows by slot against the torch code it replaces (SparseMoE.experts' CPU form). Compiled on
 a GPU; on the CPU under Triton's interpreter (harness.triton_interpreter), in a subprocess: the
 interpreter must be on before a kernel is defined (at import), and no other test may get
 interpreted kernels."""
@@ -58,25 +59,55 @@ def check_decode_attention(device: str, dtype: torch.dtype, nh: int, nkv: int, h
 
 
 def check_experts(device: str, dtype: torch.dtype) -> None:
-    """Each row through its own slot's expert, rows of no slot zero; slot 1 has more rows than a
-    row block. (On a GPU, test_engine runs these kernels through the MoE layer.)"""
+    """Each row through its own slot's expert, rows of no slot (-1, S, beyond) zero; slot 1 has
+    more rows than a row block; the count gains the rows with a slot; a row's result is bitwise
+    the same alone. (On a GPU, test_engine runs these kernels through the MoE layer.)"""
     from components.engine.expert_gemm import BLOCK_M, swiglu_experts
 
     torch.manual_seed(0)
     S, H, I = 4, 64, 96
     wg, wu = (torch.randn(S, I, H, device=device).to(dtype) * 0.1 for _ in range(2))
     wd = torch.randn(S, H, I, device=device).to(dtype) * 0.1
-    key = torch.tensor([3, 0, S, 3, 1, 2, 0, S] + [1] * (BLOCK_M + 3), device=device)
-    x = torch.randn(len(key), H, device=device).to(dtype)
-    got = swiglu_experts(x, key, wg, wu, wd)
+    local = torch.tensor([3, 0, -1, 3, 1, 2, 0, S, S + 5] + [1] * (BLOCK_M + 3), dtype=torch.int32, device=device)
+    x = torch.randn(len(local), H, device=device).to(dtype)
+    count = torch.tensor([2], device=device)
+    got = swiglu_experts(x, local, wg, wu, wd, count)
     assert got.dtype == dtype
-    for i, s in enumerate(key.tolist()):
-        if s == S:
+    assert count.item() == 2 + len(local) - 3
+    for i, s in enumerate(local.tolist()):
+        if not 0 <= s < S:
             assert (got[i] == 0).all()
             continue
         h = x[i : i + 1].float()
         want = (F.silu(h @ wg[s].float().T) * (h @ wu[s].float().T)) @ wd[s].float().T
         torch.testing.assert_close(got[i : i + 1].float(), want, **TOL[dtype])
+    for i in (0, 4, len(local) - 1):
+        alone = swiglu_experts(x[i : i + 1], local[i : i + 1], wg, wu, wd)
+        assert torch.equal(alone[0], got[i]), f"row {i} differs alone and batched"
+
+
+def check_group_rows(device: str) -> None:
+    """group_rows: bitwise the torch form SparseMoE.experts runs on the CPU (slot validity, key,
+    moe.group_by_slot) and its count of rows with a slot, for int32 and int64 slots, 1 to 64
+    slots, a row or thousands (more than one block of the scan), none with a slot or all."""
+    from components.engine.expert_gemm import group_rows
+    from components.engine.moe import group_by_slot
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(1, 1), (7, 3), (300, 8), (4096, 8), (4100, 64), (9000, 2), (50, 64)]
+    for n, (M, S) in enumerate(cases):
+        local = torch.randint(-2, S + 3, (M,), generator=g, dtype=torch.int32 if n % 2 else torch.int64)
+        if n == 5:
+            local[:] = -1
+        if n == 6:
+            local = torch.randint(0, S, (M,), generator=g)
+        local = local.to(device)
+        count = torch.tensor([5], device=device)
+        rows, ends = group_rows(local, S, count)
+        real = (local >= 0) & (local < S)
+        want_rows, want_ends = group_by_slot(torch.where(real, local.long(), S), S)
+        assert torch.equal(rows, want_rows) and torch.equal(ends, want_ends), (M, S)
+        assert count.item() == 5 + int(real.sum()), (M, S)
 
 
 @pytest.mark.gpu
@@ -85,6 +116,13 @@ def check_experts(device: str, dtype: torch.dtype) -> None:
 def test_decode_attention_matches_sdpa_and_is_batch_invariant(dtype, nh, nkv, hd, max_len):
     """Mixtral's heads, and the tiny test model's (head dim 8, below a dot's 16)."""
     check_decode_attention("cuda", dtype, nh, nkv, hd, max_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_experts_and_their_grouping_on_cuda(dtype):
+    check_experts("cuda", dtype)
+    check_group_rows("cuda")
 
 
 @pytest.mark.gpu
@@ -115,17 +153,18 @@ def test_decode_attention_in_a_cuda_graph_follows_the_lengths_it_reads():
 
 
 def _interpreted() -> None:
-    """Run in the subprocess: both kernels interpreted on CPU tensors, fp32 and bf16."""
+    """Run in the subprocess: every kernel interpreted on CPU tensors, fp32 and bf16."""
     from harness.triton_interpreter import enable
 
     enable()
     for dtype in (torch.float32, torch.bfloat16):
         check_decode_attention("cpu", dtype, nh=4, nkv=2, hd=8, max_len=140)
         check_experts("cpu", dtype)
+    check_group_rows("cpu")
 
 
 def test_triton_kernels_under_the_interpreter_on_cpu():
-    """What CI can check of the kernels without a GPU: both, in fp32 and bf16, interpreted."""
+    """What CI can check of the kernels without a GPU: all of them, in fp32 and bf16, interpreted."""
     code = "from tests.test_triton_kernels import _interpreted; _interpreted()"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]

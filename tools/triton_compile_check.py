@@ -8,8 +8,8 @@ runs the whole pipeline (TTIR, TTGIR, LLVM, PTX, cubin) here.
 
 Why it is built this way:
 
-* The launches are the wrappers' own: each wrapper (decode_attention, swiglu_experts,
-  PeerWindows.exchange, block_sums) is called on meta tensors of a Mixtral-shaped model
+* The launches are the wrappers' own: each wrapper (rms_norm, decode_attention, swiglu_experts,
+  route_and_sort, PeerWindows.exchange, ...) is called on meta tensors of a Mixtral-shaped model
   with JITFunction.run replaced by a recorder, so the kernel arguments, constexprs and launch
   options (num_warps, enable_fp_fusion) compiled here are exactly what the wrapper passes, and
   follow it when it changes. Meta tensors have shapes, strides and dtypes but no memory.
@@ -124,7 +124,6 @@ def _fake_windows(rank: int, capacity: int, dtype: torch.dtype):
     w.failed = torch.zeros(R, dtype=torch.int32)  # host memory: the kernels get its address
     w.abort = torch.zeros(1, dtype=torch.int32)
     w.peer_starts = _meta(R, dtype=torch.int64)
-    w.rows_idx = _meta(C, dtype=torch.int64)
     return w
 
 
@@ -134,22 +133,54 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
     from components.engine import checksum, checksum_kernel
     from components.engine.decode_attention import decode_attention
     from components.engine.expert_gemm import swiglu_experts
+    from components.engine.norm_kernel import add_rms_norm, rms_norm
+    from components.engine.rotary_kernel import rotary_cache_write
+    from components.engine.routing_kernel import combine_pairs, gather_rows, route_and_sort
 
     t = functools.partial(_meta, dtype=dt)
     i64 = functools.partial(_meta, dtype=torch.int64)
     i32 = functools.partial(_meta, dtype=torch.int32)
+    flags = functools.partial(_meta, dtype=torch.bool)
     name = str(dt).removeprefix("torch.")
     for B in BATCHES:
         at = f"{name} B={B}"
-        q = t(B, HEADS, HEAD_DIM)
+        x, q, k, v = t(B, HIDDEN), t(B, HEADS, HEAD_DIM), t(B, KV_HEADS, HEAD_DIM), t(B, KV_HEADS, HEAD_DIM)
         kc, vc = t(CACHE_SLOTS, MAX_LEN, KV_HEADS, HEAD_DIM), t(CACHE_SLOTS, MAX_LEN, KV_HEADS, HEAD_DIM)
+        yield f"rms_norm {at}", lambda: rms_norm(x, t(HIDDEN), 1e-5)
+        yield f"add_rms_norm {at}", lambda: add_rms_norm(x, t(B, HIDDEN), t(HIDDEN), 1e-5)
+        for tab in {dt, torch.float32}:  # the rotary tables: cast with the model (model.to), or fp32
+            cos, sin = _meta(MAX_LEN, HEAD_DIM, dtype=tab), _meta(MAX_LEN, HEAD_DIM, dtype=tab)
+            yield (
+                f"rotary_cache_write {at} tables {tab}",
+                lambda: rotary_cache_write(q, k, v, cos, sin, i64(B), i64(B), kc, vc),
+            )
         yield f"decode_attention {at}", lambda: decode_attention(q, kc, vc, i64(B), i64(B))
         for S in SLOTS_PER_RANK:
             w_gate, w_up, w_down = t(S, INTER, HIDDEN), t(S, INTER, HIDDEN), t(S, HIDDEN, INTER)
             yield (
                 f"swiglu_experts {at} slots={S}",
-                lambda: swiglu_experts(t(B * TOP_K, HIDDEN), i64(B * TOP_K), w_gate, w_up, w_down),
+                lambda: swiglu_experts(t(B * TOP_K, HIDDEN), i32(B * TOP_K), w_gate, w_up, w_down, i64(1)),
             )
+            for graph in (False, True):  # a decode graph's valid rows, with the windows' misrouted count
+                valid, misrouted = (flags(B), (i64(1), i64(1))) if graph else (None, None)
+                yield (
+                    f"route_and_sort {at} slots={S} graph={graph}",
+                    lambda: route_and_sort(
+                        t(B, EXPERTS),
+                        valid,
+                        i64(EXPERTS, 2),
+                        i64(EXPERTS),
+                        flags(MAX_RANKS),
+                        i64(EXPERTS),
+                        TOP_K,
+                        True,
+                        S,
+                        dt,
+                        misrouted,
+                    ),  # fmt: skip
+                )
+        yield f"gather_rows {at}", lambda: gather_rows(x, i64(B * TOP_K), TOP_K)
+        yield f"combine_pairs {at}", lambda: combine_pairs(t(B * TOP_K, HIDDEN), i32(B * TOP_K), t(B, TOP_K))
     P = 32 * TOP_K
     for rank in (0, 1, 3):  # 0 and 1 are specialised (divisible by 16, equal to 1), 3 is not
         windows = _fake_windows(rank, max(BATCHES) * TOP_K, dt)  # rank.ep_communicator's capacity

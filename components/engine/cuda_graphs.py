@@ -4,11 +4,11 @@ context ending at itself makes the decode attention causal; see scheduler.batch'
 The EP all-to-all is driven from the host (variable sizes, notifications), so it cannot live in a
 graph. A decode step is therefore captured as segments split at each expert-parallel feed-forward,
 and only the exchange runs eagerly between them: [embed, attend 0, dispatch 0] -> exchange 0 ->
-[combine 0, residual, attend 1, dispatch 1] -> ... -> [combine, norm, lm_head]. Routing, the EP
-mask, the sort by destination and the combine are inside the graphs; dense feed-forwards stay in
-their segment. One set per batch size, captured once; every input is a static buffer that is
-copied into, and the graphs read the EP mask, expert map, expert slots, KV cache and weights at
-fixed addresses, so new members, placements and weights need no recapture.
+[combine 0, residual + norm, attend 1, dispatch 1] -> ... -> [combine, residual + norm, lm_head].
+Routing, the EP mask, the sort by destination and the combine are inside the graphs; dense
+feed-forwards stay in their segment. One set per batch size, captured once; every input is a
+static buffer that is copied into, and the graphs read the EP mask, expert map, expert slots, KV
+cache and weights at fixed addresses, so new members, placements and weights need no recapture.
 
 Where the exchange is device work (same-node peer windows, ep_window.py), nothing is left to the
 host: the segments and the exchanges between them are captured as one graph per batch size.
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
-from components.engine.layers import ForwardBatch, KVCache
+from components.engine.layers import ForwardBatch, KVCache, StepRows
 from components.engine.moe import Dispatch
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,18 @@ class DecodeGraphs:
         dev = model.lm_head.weight.device
         B, H = self.sizes[-1], model.cfg.hidden_size
         dtype = model.lm_head.weight.dtype
-        self.ids = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.slots = torch.full((B,), scratch_slot, dtype=torch.int64, device=dev)
-        self.ctx = torch.ones(B, dtype=torch.int64, device=dev)
-        self.valid = torch.zeros(B, dtype=torch.bool, device=dev)  # real rows; padding is never dispatched
+        # The inputs, a row each: token ids, positions, KV slots, context lengths, real (1) or
+        # padding (0). One copy from pinned memory fills them: a tensor per field would cost a
+        # host->device copy each, and host work is the part of a step a graph cannot hide.
+        self.inputs = torch.zeros(5, B, dtype=torch.int64, device=dev)
+        self.ids, self.pos, self.slots, self.ctx, self.real = self.inputs
+        # Padding rows attend over the one scratch token and are never dispatched.
+        self.padding = np.array([[0], [0], [scratch_slot], [1], [0]], dtype=np.int64)
+        self.inputs.copy_(torch.from_numpy(self.padding).expand(5, B))
+        self.staging = torch.zeros(5, B, dtype=torch.int64, pin_memory=True)
+        self._staged = torch.cuda.Event()  # the staging buffer was read by the last copy
+        self.valid = torch.zeros(B, dtype=torch.bool, device=dev)  # `real`, as the dispatch takes it
+        self.greedy = torch.zeros(B, dtype=torch.int64, device=dev)  # each row's argmax token
         blocks = list(model.model.layers)
         self.cuts = [i for i, b in enumerate(blocks) if b.moe is not None]
         self.moes = [blocks[i].moe for i in self.cuts]
@@ -79,24 +87,30 @@ class DecodeGraphs:
         bounds = [-1, *self.cuts, len(blocks)]
         layouts = self.dispatch.setdefault(b, [None] * len(self.cuts))
 
+        def norm_of(i):  # the norm that reads the residual stream in front of block i, or past the last
+            return blocks[i].input_layernorm if i < len(blocks) else m.model.norm
+
         def segment(k):
             def run():
+                # Every residual add but the attention's is fused into the norm that reads its sum
+                # next (one kernel on CUDA), and the block takes that normed input as it is.
                 if k == 0:
-                    x = m.model.embed_tokens(batch.input_ids)
+                    torch.ne(self.real[:b], 0, out=self.valid[:b])
+                    x, x_normed = m.model.embed_tokens(batch.input_ids), None  # block 0 norms its own
                 else:
                     moe = self.moes[k - 1]
-                    x = self.h[k - 1][:b] + moe.combine(
-                        self.n[k - 1][:b], layouts[k - 1], self.y[k - 1][: b * moe.top_k]
-                    )
+                    out = moe.combine(self.n[k - 1][:b], layouts[k - 1], self.y[k - 1][: b * moe.top_k])
+                    x, x_normed = norm_of(bounds[k] + 1).add_and_norm(out, self.h[k - 1][:b])
                 for i in range(bounds[k] + 1, bounds[k + 1] + (1 if k < len(self.cuts) else 0)):
-                    h, n = blocks[i].attend(x, batch, self.kv)
+                    h, n = blocks[i].attend(x, batch, self.kv, normed=x_normed)
                     if blocks[i].moe is not None:
                         self.h[k][:b].copy_(h)
                         self.n[k][:b].copy_(n)
                         layouts[k] = blocks[i].moe.dispatch(self.n[k][:b], self.valid[:b])
                         return
-                    x = h + blocks[i].ffn(n)
-                self.logits[:b].copy_(m.lm_head(m.model.norm(x)).float())
+                    x, x_normed = norm_of(i + 1).add_and_norm(blocks[i].ffn(n), h)
+                self.logits[:b].copy_(m.lm_head(x_normed).float())
+                torch.argmax(self.logits[:b], dim=-1, out=self.greedy[:b])
 
             return run
 
@@ -142,22 +156,20 @@ class DecodeGraphs:
         for b in reversed(self.sizes):
             self._capture(b)
 
-    def fits(self, batch: ForwardBatch) -> bool:
-        return batch.decode_only and len(batch.q_lens) <= self.sizes[-1]
+    def fits(self, rows: StepRows) -> bool:
+        return rows.decode_only and len(rows.q_lens) <= self.sizes[-1]
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        real = len(batch.q_lens)
+    def run(self, rows: StepRows) -> torch.Tensor:
+        """Queue the step of `rows` (decode rows, or one prompt chunk a token a row); returns its
+        logits, and `greedy` holds each row's argmax, both valid once the stream gets there."""
+        real = len(rows.ids)
         b = next(s for s in self.sizes if s >= real)
-        self.ids[:real].copy_(batch.input_ids)
-        self.pos[:real].copy_(batch.positions)
-        self.slots[:real].copy_(batch.slots)
-        self.ctx[:real].copy_(batch.ctx_lens)
-        # Padded rows attend over one scratch token and are never dispatched.
-        self.slots[real:b].fill_(self.scratch_slot)
-        self.pos[real:b].zero_()
-        self.ctx[real:b].fill_(1)
-        self.valid[:real].fill_(True)
-        self.valid[real:b].fill_(False)
+        self._staged.synchronize()  # normally long done: the caller waited for the last step
+        host = self.staging.numpy()
+        host[:, :real] = (rows.ids, rows.positions, rows.token_slots, rows.ctx_lens, [1] * real)
+        host[:, real:b] = self.padding
+        self.inputs.copy_(self.staging, non_blocking=True)
+        self._staged.record()
         self.model.ep.sync_mask()
         graphs, layouts = self.graphs[b], self.dispatch[b]
         self.replays += 1

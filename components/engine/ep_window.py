@@ -62,8 +62,8 @@ def _now_ns():
 def _send_kernel(
     src,  # int32 rows, row-major, `words` per row
     src_slots,  # int32 slot per row (dispatch only)
-    starts,  # int64 [R] first row for each destination
-    counts,  # int64 [R] rows for each destination
+    starts,  # int64 [R] first row for each destination (unless STARTS_FROM_COUNTS)
+    counts,  # int64 [>= R] rows for each destination
     mask,  # bool [R]
     windows,  # int64 [R] address of each destination's mailbox in this process
     me,
@@ -74,6 +74,8 @@ def _send_kernel(
     counts_off,
     arrive_off,
     HAS_SLOTS: tl.constexpr,  # the dispatch: slots and counts travel with the rows
+    STARTS_FROM_COUNTS: tl.constexpr,  # rows of destinations back to back: starts are the counts' prefix sums
+    R_PAD: tl.constexpr,
     NB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -82,7 +84,11 @@ def _send_kernel(
     if tl.load(mask + d) != 0:
         base = tl.load(windows + d)
         n = tl.load(counts + d)
-        s = tl.load(starts + d)
+        if STARTS_FROM_COUNTS:
+            r = tl.arange(0, R_PAD)
+            s = tl.sum(tl.load(counts + r, mask=r < d, other=0), 0)
+        else:
+            s = tl.load(starts + d)
         dst_rows = (base + rows_off).to(tl.pointer_type(tl.int32))
         dst_slots = (base + slots_off).to(tl.pointer_type(tl.int32))
         for i in range(b, n, NB):
@@ -98,6 +104,35 @@ def _send_kernel(
             tl.store((base + counts_off).to(tl.pointer_type(tl.int64)) + me, n)
         tl.debug_barrier()
         tl.atomic_add((base + arrive_off).to(tl.pointer_type(tl.int64)) + me, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _received_kernel(recv_counts, recv_slots, mask, got, slots, cap, BLOCK: tl.constexpr):
+    """Peer r's rows that arrived here: got[r] of them (none from a masked peer), and the slot of
+    each row of r's part of the mailbox, -1 past the rows that arrived."""
+    r = tl.program_id(0)
+    n = tl.where(tl.load(mask + r) != 0, tl.load(recv_counts + r), 0)
+    tl.store(got + r, n)
+    for i0 in range(0, cap, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        at = r.to(tl.int64) * cap + i
+        tl.store(slots + at, tl.load(recv_slots + at, mask=i < n, other=-1), mask=i < cap)
+
+
+@triton.jit
+def _replies_kernel(ret, counts, out, cap, words, R, R_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Row i of the dispatch order: the reply from its destination d (the rank whose run of
+    `counts` holds i) at d's part of the reply mailbox, or zeros for a row that was not sent."""
+    i = tl.program_id(0)
+    r = tl.arange(0, R_PAD)
+    c = tl.load(counts + r, mask=r < R, other=0)
+    d = tl.sum((tl.cumsum(c, 0) <= i).to(tl.int32), 0)
+    n = tl.where(d < R, words, 0)  # words to copy; zeros for the rest
+    src = (d * cap + i - tl.sum(tl.where(r < d, c, 0), 0)).to(tl.int64) * words
+    dst = i.to(tl.int64) * words
+    for w0 in range(0, words, BLOCK):
+        w = w0 + tl.arange(0, BLOCK)
+        tl.store(out + dst + w, tl.load(ret + src + w, mask=w < n, other=0), mask=w < words)
 
 
 @triton.jit
@@ -174,7 +209,6 @@ class PeerWindows:
         # word the host sets to abandon waits in flight.
         self.failed = torch.zeros(R, dtype=torch.int32, pin_memory=True)
         self.abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        self.rows_idx = torch.arange(C, device=dev)
         self.peer_starts = torch.arange(R, device=dev, dtype=torch.int64) * C
         log.info(
             "rank %d: EP peer windows: mailbox %.1f MiB (%d peers x %d rows of %d B), %s",
@@ -250,11 +284,12 @@ class PeerWindows:
 
     # ---- the exchange (device only: graph-capturable) -----------------------------------------
     def _send(self, rows, slots, starts, counts, phase: int) -> None:
+        """`starts` None: each destination's rows follow the previous one's (the dispatch order)."""
         has_slots = slots is not None
         _send_kernel[(self.max_ranks, SEND_PROGRAMS)](
             rows,
             slots if has_slots else rows,
-            starts,
+            starts if starts is not None else counts,
             counts,
             self.mask,
             self.table,
@@ -266,6 +301,8 @@ class PeerWindows:
             self._off["counts"],
             self._off["arrive"] + phase * 8 * self.max_ranks,
             HAS_SLOTS=has_slots,
+            STARTS_FROM_COUNTS=starts is None,
+            R_PAD=triton.next_power_of_2(self.max_ranks),
             NB=SEND_PROGRAMS,
             BLOCK=_BLOCK,
         )
@@ -291,30 +328,27 @@ class PeerWindows:
     ) -> None:
         """`rows` [P, H] sorted by destination with `counts` [>= R] per destination (what
         SparseMoE.dispatch makes), `local` their slots there; writes each row's expert output into
-        `out` [P, H] in the same order (zeros for rows not sent), computing the rows sent here with
-        `experts(rows, slots)` (slot -1: a row to ignore)."""
+        `out` [P, H] (contiguous) in the same order (zeros for rows not sent), computing the rows sent
+        here with `experts(rows, slots)` (slot -1: a row to ignore). Besides the experts, six
+        launches: two sends (the dispatch's finding each destination's rows from the counts), two
+        waits, the slots of the rows received and the gather of the replies."""
         R, C, H = self.max_ranks, self.cap, self.hidden
         P = rows.shape[0]
         if P > C:
             raise ValueError(f"{P} (token, expert) rows exceed the EP window capacity of {C}")
-        c = counts[:R]
-        ends = torch.cumsum(c, 0)
-        starts = ends - c
-        self._send(rows.contiguous().view(torch.int32), local, starts, c, 0)
+        self._send(rows.contiguous().view(torch.int32), local, None, counts, 0)
         self._wait(0)
-        got = torch.where(self.mask[:R], self.recv_counts, 0)
-        valid = self.rows_idx.unsqueeze(0) < got.unsqueeze(1)
-        slots = torch.where(valid, self.recv_slots, -1).flatten()
+        got = torch.empty(R, dtype=torch.int64, device=rows.device)
+        slots = torch.empty(R * C, dtype=torch.int32, device=rows.device)
+        _received_kernel[(R,)](self.recv_counts, self.recv_slots, self.mask, got, slots, C, BLOCK=_BLOCK)
         y = experts(self.recv_rows.view(self.dtype).view(R * C, H), slots)
         self._send(y.contiguous().view(torch.int32), None, self.peer_starts, got, 1)
         self._wait(1)
-        pos = torch.arange(P, device=rows.device)
-        dest = torch.searchsorted(ends, pos, right=True)
-        sent = dest < R
-        d = dest.clamp(max=R - 1)
-        idx = torch.where(sent, d * C + pos - starts[d], 0)
-        back = self.ret_rows.view(self.dtype).view(R * C, H)[idx]
-        out.copy_(torch.where(sent.unsqueeze(1), back, 0))
+        if P:
+            _replies_kernel[(P,)](
+                self.ret_rows, counts, out.view(torch.int32), C, self.words, R,
+                R_PAD=triton.next_power_of_2(R), BLOCK=_BLOCK,
+            )  # fmt: skip
 
 
 class WindowPeerMetadata(msgspec.Struct, array_like=True, frozen=True):

@@ -1,5 +1,5 @@
 """The experts of one MoE layer on CUDA: SwiGLU of each row through its slot's expert, as two
-Triton kernels over rows grouped by slot.
+Triton kernels over rows grouped by slot, which a third, small one groups.
 
 A decode step sends each expert a few rows, so the step is bound by reading expert weights, and
 torch._grouped_mm's CUTLASS kernel streams them at about two thirds of HBM bandwidth at these
@@ -8,6 +8,12 @@ walks that slot's rows BLOCK_M at a time, reading its weight tile once per BLOCK
 no row goes to costs nothing, and a touched one is read at close to bandwidth. The first kernel
 gathers each group's rows and writes silu(x Wg^T) * (x Wu^T) in group order; the second applies
 Wd and scatters the results back to the rows' own places, leaving rows of no slot zero.
+
+The grouping (`group_rows`) is SparseMoE's torch form on the CPU (the slot validity, the count of
+rows computed, the key, moe.group_by_slot's counting sort: some fifteen small kernels, each a
+launch and a gap in a decode graph) in one program: for each key in order, a scan over the rows
+places that key's rows behind the previous keys', so the order within a group is the rows' own,
+and the count is added without atomics.
 
 A row's result depends on that row alone (the reduction over K runs in fixed tiles, with no
 split across programs), so an expert's output does not change with the batch it came in.
@@ -19,8 +25,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from components.engine.moe import group_by_slot
 
 # Measured on an H200 (8 slots, H 4096, I 14336, bf16): 64-row blocks keep a slot's weights read
 # once up to 256 rows in all (0.71-0.77 ms, the bandwidth floor 0.70); 16-row blocks re-read them
@@ -76,14 +80,64 @@ def _expert_kernel(
         tl.store(out_ptr + dst[:, None] * N + offs_n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _group_kernel(
+    local_ptr,  # [M] the slot of each row; outside 0..S-1: no slot
+    rows_ptr,  # [M] int32 out: the row at each group-order position
+    ends_ptr,  # [S] int32 out: end of each slot's group
+    count_ptr,  # [1] int64, added to: rows with a slot (HAS_COUNT)
+    M,
+    S,
+    HAS_COUNT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK)
+    start = 0
+    for s in range(0, S + 1):  # key S: the rows of no slot, behind every group
+        for m0 in range(0, M, BLOCK):
+            i = m0 + offs
+            ok = i < M
+            slot = tl.load(local_ptr + i, mask=ok, other=-1)
+            key = tl.where((slot >= 0) & (slot < S), slot, S)
+            hit = (key == s) & ok
+            within = tl.cumsum(hit.to(tl.int32), 0)
+            tl.store(rows_ptr + start + within - 1, i, mask=hit)
+            start += tl.sum(hit.to(tl.int32), 0)
+        tl.store(ends_ptr + s, start, mask=s < S)
+        if HAS_COUNT:
+            if s == S - 1:
+                tl.store(count_ptr, tl.load(count_ptr) + start)
+
+
+def group_rows(local: torch.Tensor, slots: int, count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.group_by_slot of local's keys (a slot in 0..slots-1, anything else: no slot, key
+    `slots`): (rows [M] int32 in group order, ends [slots] int32), in one launch; `count` gains
+    the number of rows with a slot."""
+    M = local.shape[0]
+    rows = torch.empty(M, dtype=torch.int32, device=local.device)
+    ends = torch.empty(slots, dtype=torch.int32, device=local.device)
+    block = min(triton.next_power_of_2(max(M, 1)), 4096)
+    _group_kernel[(1,)](
+        local, rows, ends, count if count is not None else rows, M, slots,
+        HAS_COUNT=count is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 8),
+    )  # fmt: skip
+    return rows, ends
+
+
 def swiglu_experts(
-    x: torch.Tensor, key: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+    x: torch.Tensor,
+    local: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    count: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Row i through the expert in slot key[i] ([S, I, H] gate and up, [S, H, I] down weights);
-    key == S marks a row of no slot, which comes back zero."""
+    """Row i through the expert in slot local[i] ([S, I, H] gate and up, [S, H, I] down weights);
+    a row whose slot is outside 0..S-1 (-1: padding) comes back zero. `count` gains the number of
+    rows with a slot."""
     M, H = x.shape
     S, I, _ = w_gate.shape
-    rows, ends = group_by_slot(key, S)
+    rows, ends = group_rows(local, S, count)
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 stays fp32 (no TF32)
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)
     _expert_kernel[(S, triton.cdiv(I, BLOCK_N))](

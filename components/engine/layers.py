@@ -4,10 +4,46 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class StepRows(NamedTuple):
+    """One step's rows as the scheduler picks them, on the host. Sequence i contributes
+    `q_lens[i]` tokens; the decode graphs take these lists as they are (one copy into their
+    static inputs), the eager forward takes them on the device (`on`)."""
+
+    ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    token_slots: list[int]  # [T] KV slot of each token's sequence
+    slots: list[int]  # [B] KV slot of each sequence
+    ctx_lens: list[int]  # [B] context length once this step has written its tokens
+    last_index: list[int]  # [B] index in T of each sequence's last token
+    q_lens: list[int]  # [B]
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.q_lens)
+
+    def on(self, device) -> ForwardBatch:
+        def t(v):
+            return torch.tensor(v, dtype=torch.int64, device=device)
+
+        return ForwardBatch(
+            input_ids=t(self.ids),
+            positions=t(self.positions),
+            token_slots=t(self.token_slots),
+            slots=t(self.slots),
+            ctx_lens=t(self.ctx_lens),
+            last_index=t(self.last_index),
+            q_lens=self.q_lens,
+            ctx_lens_list=self.ctx_lens,
+            slots_list=self.slots,
+            kv_len=max(self.ctx_lens),
+        )
 
 
 @dataclass
@@ -50,9 +86,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one kernel where torch launches eight
+            from components.engine.norm_kernel import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) for h = x + residual: one kernel on CUDA (the add fused into the norm)."""
+        if x.is_cuda:
+            from components.engine.norm_kernel import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        h = x + residual
+        return h, self(h)
 
 
 class Rotary(nn.Module):
@@ -96,12 +145,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         T = x.shape[0]
-        q = self.rotary(self.q_proj(x).view(T, self.nh, self.hd), batch.positions)
-        k = self.rotary(self.k_proj(x).view(T, self.nkv, self.hd), batch.positions)
+        q = self.q_proj(x).view(T, self.nh, self.hd)
+        k = self.k_proj(x).view(T, self.nkv, self.hd)
         v = self.v_proj(x).view(T, self.nkv, self.hd)
         kc, vc = kv.k[self.layer], kv.v[self.layer]
-        kc[batch.token_slots, batch.positions] = k
-        vc[batch.token_slots, batch.positions] = v
+        if x.is_cuda:  # one kernel: rotary of q and k, k and v into the cache (torch: ~16)
+            from components.engine.rotary_kernel import rotary_cache_write
+
+            rot = self.rotary
+            q = rotary_cache_write(q, k, v, rot.cos, rot.sin, batch.positions, batch.token_slots, kc, vc)
+        else:
+            q = self.rotary(q, batch.positions)
+            kc[batch.token_slots, batch.positions] = self.rotary(k, batch.positions)
+            vc[batch.token_slots, batch.positions] = v
         if batch.decode_only:
             out = self._decode(q, kc, vc, batch)
         else:
@@ -155,9 +211,14 @@ class DecoderBlock(nn.Module):
     ffn: nn.Module  # the feed-forward: an EP MoE or a dense MLP
     moe: nn.Module | None  # the ffn when it is expert-parallel
 
-    def attend(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        h = x + self.self_attn(self.input_layernorm(x), batch, kv)
-        return h, self.post_attention_layernorm(h)
+    def attend(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, normed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, post_attention_layernorm(h)) for h = x + attention. `normed` is input_layernorm(x)
+        where the caller has it already (a decode graph norms x in the kernel that adds it up)."""
+        if normed is None:
+            normed = self.input_layernorm(x)
+        return self.post_attention_layernorm.add_and_norm(x, self.self_attn(normed, batch, kv))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         h, n = self.attend(x, batch, kv)

@@ -40,8 +40,9 @@ class ExpertParallel:
             if self.windows is not None
             else torch.zeros(expert_map.max_ranks, dtype=torch.bool, device=dev)
         )
-        # Pairs the map routed outside the active set, counted on the device where the exchange
-        # is device work (the host-driven one raises at once); `strict` is 0 in masked warmup.
+        # Pairs the map routed outside the active set, counted on the device (by the dispatch)
+        # where the exchange is device work (the host-driven one raises at once); `strict` is 0
+        # in masked warmup.
         self.misrouted = torch.zeros(1, dtype=torch.int64, device=dev)
         self.strict = torch.ones(1, dtype=torch.int64, device=dev)
         # (token, expert) pairs this rank computed for any rank, counted without a host sync;
@@ -84,6 +85,7 @@ class Dispatch(NamedTuple):
     rows: torch.Tensor  # [T*k, H] the token row of each position
     local: torch.Tensor  # [T*k] int32 slot on the destination rank
     counts: torch.Tensor  # [max_ranks + 2] pairs per destination, then masked, then padding
+    position: torch.Tensor | None = None  # [T*k] int32 position of each pair (CUDA: for the combine)
 
 
 def _pack(x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -161,13 +163,13 @@ class SparseMoE(nn.Module):
         S = self.ep.slots_per_rank
         if x.shape[0] == 0:
             return torch.zeros_like(x)
+        if x.is_cuda:  # the slot validity, the count and the grouping in one launch (group_rows)
+            from components.engine.expert_gemm import swiglu_experts
+
+            return swiglu_experts(x, local, self.w_gate, self.w_up, self.w_down, self.ep.rows_computed)
         real = (local >= 0) & (local < S)
         self.ep.rows_computed.add_(real.sum())
         key = torch.where(real, local.long(), S)  # padding sorts behind every group
-        if x.is_cuda:
-            from components.engine.expert_gemm import swiglu_experts
-
-            return swiglu_experts(x, key, self.w_gate, self.w_up, self.w_down)
         if not _grouped_mm_runs(self.w_gate, x):
             return self._experts_per_slot(x, key)
         rows, ends = group_by_slot(key, S)
@@ -193,6 +195,21 @@ class SparseMoE(nn.Module):
     def dispatch(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> Dispatch:
         """Device only (no host sync), so a graph can capture it. `valid` marks real rows of a
         padded batch; padding rows are routed but neither sent nor counted as load."""
+        if x.is_cuda:  # the same layout from two launches after the router (routing_kernel)
+            from components.engine.routing_kernel import gather_rows, route_and_sort
+
+            m, ep = self.ep.map, self.ep
+            # The peer-window exchange's count of misrouted pairs comes with the counts.
+            misrouted = (ep.misrouted, ep.strict) if ep.windows is not None else None
+            weights, order, local, counts, position = route_and_sort(
+                self.gate(x), valid, m.replica_slots[self.layer], m.num_replicas[self.layer], ep.mask,
+                self.load, self.top_k, self.norm_topk, ep.slots_per_rank, x.dtype, misrouted,
+            )  # fmt: skip
+            return Dispatch(weights, order, gather_rows(x, order, self.top_k), local, counts, position)
+        return self._dispatch_torch(x, valid)
+
+    def _dispatch_torch(self, x: torch.Tensor, valid: torch.Tensor | None) -> Dispatch:
+        """The dispatch in torch ops: the CPU path, and what the CUDA kernels must reproduce."""
         T, k, S, R = x.shape[0], self.top_k, self.ep.slots_per_rank, self.ep.map.max_ranks
         weights, experts = self.route(x)
         pair_valid = (
@@ -215,8 +232,7 @@ class SparseMoE(nn.Module):
         replies into `out` ([T*k, H]) in dispatch order, zeros for pairs not sent. Device work
         through peer windows where the communicator has them, else host-driven."""
         comm, R = self.ep.comm, self.ep.map.max_ranks
-        if self.ep.windows is not None:
-            self.ep.misrouted.add_(d.counts[R] * self.ep.strict)
+        if self.ep.windows is not None:  # the dispatch counted the misrouted pairs (route_and_sort)
             self.ep.windows.exchange(d.rows, d.local, d.counts, out, self.experts)
             return
         counts = d.counts.tolist()
@@ -250,6 +266,13 @@ class SparseMoE(nn.Module):
 
     def combine(self, x: torch.Tensor, d: Dispatch, out: torch.Tensor) -> torch.Tensor:
         """Device only. `x` is the layer input (for layers that add a dense part)."""
+        if d.position is not None:
+            from components.engine.routing_kernel import combine_pairs
+
+            return combine_pairs(out, d.position, d.weights)
+        return self._combine_torch(d, out)
+
+    def _combine_torch(self, d: Dispatch, out: torch.Tensor) -> torch.Tensor:
         T, k = d.weights.shape
         per_pair = torch.empty_like(out)
         per_pair[d.order] = out

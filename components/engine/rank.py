@@ -27,7 +27,7 @@ import torch
 from components.engine.checkpoint import Checkpoint
 from components.engine.ep_comm import EPCommunicator, EPError
 from components.engine.expert_map import ExpertMap
-from components.engine.layers import KVCache
+from components.engine.layers import KVCache, StepRows
 from components.engine.model import build_model
 from components.engine.moe import ExpertParallel
 from components.engine.request import GenerateRequest, RequestError, TokenOutput
@@ -259,29 +259,22 @@ class EngineRank:
         self.expert_map.install(placement)
         ep.set_masked_warmup(True)
         try:
-            from components.engine.layers import ForwardBatch
-
             scratch = self.cfg.max_seqs
             sizes = self.graphs.sizes if self.graphs else [1, min(8, self.cfg.max_seqs)]
             for b, n in [(1, min(16, self.cfg.max_batched_tokens))] + [(b, 1) for b in sizes]:
-                t = torch.full((b * n,), 1, dtype=torch.int64, device=self.device)
-                pos = torch.arange(n, device=self.device).repeat(b)
-                batch = ForwardBatch(
-                    input_ids=t,
-                    positions=pos,
-                    token_slots=torch.full_like(t, scratch),
-                    slots=torch.full((b,), scratch, dtype=torch.int64, device=self.device),
-                    ctx_lens=torch.full((b,), n, dtype=torch.int64, device=self.device),
-                    last_index=torch.arange(n - 1, b * n, n, device=self.device),
+                rows = StepRows(
+                    ids=[1] * (b * n),
+                    positions=list(range(n)) * b,
+                    token_slots=[scratch] * (b * n),
+                    slots=[scratch] * b,
+                    ctx_lens=[n] * b,
+                    last_index=list(range(n - 1, b * n, n)),
                     q_lens=[n] * b,
-                    ctx_lens_list=[n] * b,
-                    slots_list=[scratch] * b,
-                    kv_len=n,
                 )
-                if self.graphs is not None and self.graphs.fits(batch):
-                    self.graphs.run(batch)
+                if self.graphs is not None and self.graphs.fits(rows):
+                    self.graphs.run(rows)
                 else:
-                    self.model(batch, self.kv)
+                    self.model(rows.on(self.device), self.kv)
             for _, moe in self.model.moe_layers:
                 moe.load.zero_()
         finally:
@@ -515,13 +508,16 @@ class EngineRank:
             and len(work) == 1
             and 1 < work[0][1] <= self.graphs.sizes[-1]
         )
-        batch = self.sched.batch(work, self.device, per_token=rows)
+        step = self.sched.rows(work, per_token=rows)
         params = self._sample_params(work)  # copied in before the forward is queued: no wait
-        if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(batch)[-1:] if rows else self.graphs.run(batch)
+        if self.graphs is not None and self.graphs.fits(step):
+            logits, greedy = self.graphs.run(step), self.graphs.greedy[: len(step.ids)]
+            if rows:
+                logits, greedy = logits[-1:], greedy[-1:]
         else:
-            logits = self.model(batch, self.kv)
-        ids = torch.argmax(logits, dim=-1) if params is None else sample(logits, *params)
+            logits = self.model(step.on(self.device), self.kv)
+            greedy = torch.argmax(logits, dim=-1) if params is None else None
+        ids = greedy if params is None else sample(logits, *params)
         self._settle()  # a step whose exchange gave up is discarded here
         done = [seq.num_computed + n >= seq.sample_from for seq, n in work]
         self.sched.update(work, [t if d else None for t, d in zip(ids.tolist(), done)])

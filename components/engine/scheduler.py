@@ -15,9 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from components.engine.layers import ForwardBatch
+from components.engine.layers import StepRows
 from components.engine.request import GenerateRequest, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -101,7 +99,7 @@ class Scheduler:
             return [(seq, min(seq.sample_from - seq.num_computed, self.budget))]
         return decodes
 
-    def batch(self, work: list[tuple[Sequence, int]], device, per_token: bool = False) -> ForwardBatch:
+    def rows(self, work: list[tuple[Sequence, int]], per_token: bool = False) -> StepRows:
         """`per_token` (one prompt's chunk): each token a row of its own, its context ending at
         itself, so the chunk runs through the decode graphs with causal attention by row length."""
         ids, pos, tslots, last, ctx = [], [], [], [], []
@@ -113,24 +111,8 @@ class Scheduler:
             last.append(len(ids) - 1)
             ctx.append(start + n)
         if per_token:
-            last, ctx = list(range(len(ids))), [p + 1 for p in pos]
-        slots = tslots if per_token else [s.slot for s, _ in work]
-
-        def t(v):
-            return torch.tensor(v, dtype=torch.int64, device=device)
-
-        return ForwardBatch(
-            input_ids=t(ids),
-            positions=t(pos),
-            token_slots=t(tslots),
-            slots=t(slots),
-            ctx_lens=t(ctx),
-            last_index=t(last),
-            q_lens=[1] * len(ids) if per_token else [n for _, n in work],
-            ctx_lens_list=ctx,
-            slots_list=slots,
-            kv_len=max(ctx),
-        )
+            return StepRows(ids, pos, tslots, tslots, [p + 1 for p in pos], list(range(len(ids))), [1] * len(ids))
+        return StepRows(ids, pos, tslots, [s.slot for s, _ in work], ctx, last, [n for _, n in work])
 
     def update(self, work: list[tuple[Sequence, int]], next_tokens: list[int | None]) -> None:
         """Advance sequences after a step; `next_tokens[i]` is the token sampled after the
