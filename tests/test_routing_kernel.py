@@ -101,7 +101,10 @@ def check_dispatch(device: str, exact_weights: bool) -> None:
                 assert torch.equal(order[position.long()], torch.arange(T * k, device=device)), case
                 assert torch.equal(gather_rows(x, order, k), want.rows), case
                 assert w.dtype == dtype and w.shape == (T, k)
-                if exact_weights:
+                # The renorm adds k weights: two in any order give the same sum, more in the order
+                # of torch's CUDA reduce, which changed between releases (its warp shuffles ran
+                # by rising offsets, then by falling ones), so a few fp32 ulps apart.
+                if exact_weights and (k <= 2 or not norm):
                     assert torch.equal(w, want.weights), case
                 else:  # numpy's exp against torch's: a few fp32 ulps, at most one of bf16
                     tol = 4 * torch.finfo(torch.float32).eps if dtype == torch.float32 else torch.finfo(dtype).eps
@@ -144,8 +147,8 @@ def check_ties_and_batch_invariance(device: str) -> None:
 
 
 def check_combine(device: str) -> None:
-    """Bitwise the torch combine (scatter back, multiply, sum over k) in fp32 and bf16, and a
-    token's result the same alone."""
+    """The torch combine (scatter back, multiply, sum over k) in fp32 and bf16, bitwise for k <= 2,
+    and a token's result bitwise the same alone."""
     from components.engine.moe import Dispatch
     from components.engine.routing_kernel import combine_pairs
 
@@ -161,7 +164,13 @@ def check_combine(device: str) -> None:
             moe.hidden = H
             want = moe._combine_torch(Dispatch(weights, order, None, None, None), out)
             got = combine_pairs(out, position, weights)
-            assert torch.equal(got, want), (dtype, T, k, H)
+            if k <= 2:
+                assert torch.equal(got, want), (dtype, T, k, H)
+            else:  # torch's CUDA sum over k adds in its reduce's order, not in j order (see above)
+                eps = torch.finfo(dtype).eps * (4 if dtype == torch.float32 else 1)
+                torch.testing.assert_close(
+                    got, want, rtol=eps, atol=eps * want.abs().max().item(), msg=str((dtype, T, k, H))
+                )
             t = T // 2
             alone = combine_pairs(out, position[t * k : t * k + k].contiguous(), weights[t : t + 1])
             assert torch.equal(alone[0], got[t])

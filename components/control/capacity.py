@@ -113,7 +113,6 @@ class LocalProvider:
         # rank -> pid: ranks `dynamo serve` started, as they report it. Their death is seen here at
         # the next look, not a heartbeat timeout later.
         self.watched: dict[int, int] = {}
-        self.cuda_copies: set[int] = set()  # ranks restored from a CUDA image (one at a time)
 
     @functools.cached_property
     def checkpoints_parked(self) -> bool:
@@ -256,23 +255,10 @@ class LocalProvider:
         """Restore rank `rank` from `snap` if given (falling back to a cold start when that
         fails), else cold-start it. Returns (its process, "snapshot" | "new")."""
         spec = Worker.rank_process(rank, join=True)
-        if snap is not None and self.wcfg.device == "cuda":
-            busy = [r for r in self.cuda_copies if self.alive(r)]
-            self.cuda_copies = set(busy)
-            if busy:
-                # The CUDA driver holds an abstract unix socket named after the baked process's
-                # PID namespace and PID: every copy restores it, and in one network namespace
-                # the second copy's restore failed to bind it (H200). Each copy now gets a
-                # network namespace of its own (snapshot.nsinit), but a CUDA restore into one is
-                # untried on a GPU: one restored CUDA copy at a time until it is.
-                snap, why = None, f"Worker.{busy[0]} runs restored from a CUDA image: one such copy at a time"
-            else:
-                self.cuda_copies.add(rank)
         if snap is not None:
             try:
                 return await self._restore(rank, spec, env, snap), "snapshot"
             except Exception as e:  # criu's reason; the rank still joins, cold
-                self.cuda_copies.discard(rank)
                 why = f"snapshot {snap.path}: restore failed: {e}"
                 log.warning("[op %s] Worker.%d: %s; cold start instead", op, rank, why)
         if why:

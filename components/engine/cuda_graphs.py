@@ -43,7 +43,10 @@ class DecodeGraphs:
         # Padding rows attend over the one scratch token and are never dispatched.
         self.padding = np.array([[0], [0], [scratch_slot], [1], [0]], dtype=np.int64)
         self.inputs.copy_(torch.from_numpy(self.padding).expand(5, B))
-        self.staging = torch.zeros(5, B, dtype=torch.int64, pin_memory=True)
+        # Every row past a step's batch stays padding: a larger graph's capture runs over all its
+        # rows, and zeros there (KV slot 0, no context) would write a live sequence's first token
+        # and attend over nothing.
+        self.staging = torch.from_numpy(np.repeat(self.padding, B, axis=1)).pin_memory()
         self._staged = torch.cuda.Event()  # the staging buffer was read by the last copy
         self.valid = torch.zeros(B, dtype=torch.bool, device=dev)  # `real`, as the dispatch takes it
         self.greedy = torch.zeros(B, dtype=torch.int64, device=dev)  # each row's argmax token
@@ -129,6 +132,8 @@ class DecodeGraphs:
 
             segs = [step]
         ep = self.model.ep
+        # Warm-up and capture run every row: the last step's real rows would write their KV again.
+        self.inputs.copy_(torch.from_numpy(self.padding).expand_as(self.inputs))
         # Captured alone (nothing is active yet): pairs have nowhere to go, which is no error.
         ep.set_masked_warmup(True)
         stream = torch.cuda.Stream()

@@ -9,8 +9,9 @@ graph whose real work is the expert GEMMs. The results are the same tensors:
 * `route_and_sort`: one program. Per token: the fp32 softmax of its router logits, computed as
   torch's warp softmax does (the max, exp(x - max) with the full-precision expf, the sum over a
   row in the same tree, an IEEE division), top-k by value with the lower expert index first on
-  ties, the renorm (a sum in choice order, an IEEE division), the slot of the chosen replica
-  (ExpertMap.route: replica = token % replicas) and the pair's key (destination rank; R for a
+  ties, the renorm (a sum in choice order, an IEEE division: torch's bits for k <= 2, a few ulps
+  from its CUDA reduce above), the slot of the chosen replica (ExpertMap.route: replica =
+  token % replicas) and the pair's key (destination rank; R for a
   masked rank; R + 1 for a padding row). Then a stable counting sort of the pairs by key, in
   pair order, BLOCK_P pairs at a time: the order, the local slots, the counts, each pair's
   position (the inverse of the order, for the combine), the load update and, for the peer-window
@@ -122,7 +123,9 @@ def _route_kernel(
             chosen = tl.where(kj[None, :] == j, w[:, None], chosen)
             total = total + w
             load += tl.sum(((cols[None, :] == ex[:, None]) & real[:, None]).to(tl.int32), 0)
-            ex = tl.where(row_ok, ex, 0)
+            # A row without a choice (non-finite logits: a padding row over garbage) reads expert 0's
+            # replicas, not past the table; torch.topk would take the NaN's index instead.
+            ex = tl.where(row_ok & (ex < E), ex, 0)
             nrep = tl.load(nrep_ptr + ex)
             slot = tl.load(replicas_ptr + ex.to(tl.int64) * stride_rep + rows % nrep)
             dest = slot // S
