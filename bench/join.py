@@ -95,6 +95,9 @@ def join(opts: list[str], max_tokens: int, ready: str) -> dict:
     try:
         deadline = time.monotonic() + 600
         while ready not in srv.output:
+            refused = re.search(r"no snapshot to restore joiners from yet \((.*)\)", srv.output)
+            if ready and refused:  # a snapshot baked for another configuration: say so, do not wait
+                raise SystemExit(f"the router will not restore joiners from the baked snapshot: {refused.group(1)}")
             if time.monotonic() > deadline:
                 raise SystemExit(f"no {ready!r} in the log within 600 s:\n{srv.tail(40)}")
             time.sleep(0.1)
@@ -128,10 +131,16 @@ def main() -> None:
         help="Worker.max_len, baked and served (given: not computed from free memory, which differs "
         "between the baker and the router; default: %(default)s)",
     )
+    p.add_argument("--max-seqs", type=int, default=None, help="Worker.max_seqs, baked and served")
     p.add_argument("--model", default="", help="Worker.model, baked and served (default: the built-in model)")
     p.add_argument("--dtype", default="", help="Worker.dtype, baked and served (default: the checkpoint's)")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/join.json (join_cuda.json on cuda)")
-    p.add_argument("graph_args", nargs="*", help="more `dynamo serve` options (after --), e.g. --Worker.max_seqs=8")
+    p.add_argument(
+        "graph_args",
+        nargs="*",
+        help="more `dynamo serve` options (after --), e.g. --Router.prepare_timeout_s=300; not the worker's "
+        "options a snapshot records (the options above are baked and served alike)",
+    )
     args = p.parse_args()
     from snapshot.bake import bake
 
@@ -147,6 +156,7 @@ def main() -> None:
         dtype=args.dtype,
         max_ranks=args.max_ranks,
         max_len=args.max_len,
+        **({"max_seqs": args.max_seqs} if args.max_seqs else {}),
         progress=True,
     )
     baked = {"wall_s": time.perf_counter() - t0, "image_bytes": m.image_bytes, "snapshot_id": m.snapshot_id}
@@ -158,6 +168,7 @@ def main() -> None:
         f"--Worker.max_ranks={args.max_ranks}",
         f"--Worker.snapshot_root={root}",
         f"--Worker.max_len={args.max_len}",
+        *([f"--Worker.max_seqs={args.max_seqs}"] if args.max_seqs else []),
         *([f"--Worker.device={args.device}", "--Worker.vmm=true"] if args.device == "cuda" else []),
         *([f"--Worker.model={args.model}"] if args.model else []),
         *([f"--Worker.dtype={args.dtype}"] if args.dtype else []),

@@ -193,19 +193,30 @@ class LocalProvider:
         return how
 
     def _choose_at_startup(self) -> None:
-        t0 = time.perf_counter()
-        snap, why = self._choose_snapshot("startup")
-        if snap is None:
-            log.info("no snapshot to restore joiners from yet (%s)", why)
-            return
-        took = time.perf_counter() - t0
-        log.info("joiners will be restored from snapshot %s (fits, checksums verified in %.2f s)", snap.path, took)
+        self._choose_snapshot("startup")
 
     def _choose_snapshot(self, op: str):
         """The newest criu-tier snapshot under Worker.snapshot_root that fits and passes its
-        checksums, or None and why not (blocking: run off the event loop)."""
+        checksums, or None and why not (blocking: run off the event loop), with a log line saying
+        which and how long the checks took."""
+        t0 = time.perf_counter()
         with self._choosing:
-            return self._choose_snapshot_now(op)
+            snap, why = self._choose_snapshot_now(op)
+        took = time.perf_counter() - t0
+        if op == "startup":  # said before any operation, so a user knows what joiners will get
+            if snap is None:
+                log.info("no snapshot to restore joiners from yet (%s)", why)
+            else:
+                log.info(
+                    "joiners will be restored from snapshot %s (fits, checksums verified in %.2f s)", snap.path, took
+                )
+        elif snap is None:
+            log.info("[op %s] no snapshot to restore joiners from (%s): cold start", op, why)
+        else:
+            log.info(
+                "[op %s] restoring joiners from snapshot %s (fits, checksums verified in %.2f s)", op, snap.path, took
+            )
+        return snap, why
 
     def _choose_snapshot_now(self, op: str):
         from components.worker.component import model_source, rank_config
@@ -234,22 +245,9 @@ class LocalProvider:
     async def _snapshot(self, op: str):
         """The criu-tier snapshot new ranks are restored from (a SnapshotInfo, its checksums
         verified), or None and why not ("" when no snapshot_root is configured)."""
-        root = self.wcfg.snapshot_root
-        if not root:
+        if not self.wcfg.snapshot_root:
             return None, ""
-
-        t0 = time.perf_counter()
-        snap, why = await asyncio.to_thread(self._choose_snapshot, op)
-        if snap is not None:
-            log.info(
-                "[op %s] restoring joiners from snapshot %s (fits, checksums verified in %.2f s)",
-                op,
-                snap.path,
-                time.perf_counter() - t0,
-            )
-        else:
-            log.info("[op %s] no snapshot to restore joiners from (%s): cold start", op, why)
-        return snap, why
+        return await asyncio.to_thread(self._choose_snapshot, op)
 
     async def _start(self, rank: int, env: dict[str, str], snap, why: str, op: str) -> tuple[Child, str]:
         """Restore rank `rank` from `snap` if given (falling back to a cold start when that

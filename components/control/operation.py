@@ -403,8 +403,8 @@ class Operation:
         readers = {dst: srcs for dst, srcs in readers.items() if srcs}
         if not readers:
             return {}
-        log.warning("[op %s] ranks %s failed: ranks %s read no more from them", self.id, dead, sorted(readers))
-        why = {s: f"rank {s} failed (found dead or stalled by the router)" for s in dead}
+        log.warning("[op %s] %s: ranks %s read no more from them", self.id, self.failures(dead), sorted(readers))
+        why = {s: f"rank {s} failed ({self.failure(s)})" for s in dead}
         results = await asyncio.gather(
             *(
                 self.call(
@@ -503,6 +503,14 @@ class Operation:
         return [
             r for r in self.active if r not in self.failed and (self.port.failed(r) or self.provider.alive(r) is False)
         ]
+
+    def failure(self, rank: int) -> str:
+        """Who found `rank` failed: its provider saw its process exit, or the router (whose own
+        line says why: no answer, or a peer's collective failed on it)."""
+        return "its process exited" if self.provider.alive(rank) is False else "found dead or stalled by the router"
+
+    def failures(self, ranks) -> str:
+        return f"ranks {sorted(ranks)} failed ({'; '.join(f'{r}: {self.failure(r)}' for r in sorted(ranks))})"
 
     def _known(self, rank: int) -> bool:
         try:
@@ -695,7 +703,7 @@ class Operation:
         if not survivors:
             raise ScaleError(f"every serving rank failed ({self.failed}): nothing to fail over to")
         target = shrink(self.topology.placement, failed, self.num_experts)
-        self.transition(Phase.MASKING, f"ranks {failed} failed; survivors {survivors} pause and reload their experts")
+        self.transition(Phase.MASKING, f"{self.failures(failed)}; survivors {survivors} pause and reload their experts")
         await self.mask(failed, target, survivors, self.failed)
         return survivors, target
 
