@@ -440,7 +440,10 @@ def bake(
         image_bytes = 0
         if tier == "criu":
             from snapshot.criu_image import dump
+            from snapshot.memory_map import anonymous_by_mapping
 
+            # What the image will hold, by mapping: a restore costs about its size (bench.criu_restore).
+            ready.warm["image_memory"] = {"warm": anonymous_by_mapping(proc.pid)}
             if cuda_image:
                 from snapshot import cuda_checkpoint
 
@@ -448,9 +451,11 @@ def bake(
                 ready.warm["cuda_checkpoint_s"] = {
                     k: round(v, 6) for k, v in cuda_checkpoint.checkpoint(proc.pid).items()
                 }
-                files[WARMUP_FILE] = warmup_record(ready)
+                # The driver keeps the GPU's memory in the process's: this is what it added.
+                ready.warm["image_memory"]["cuda_checkpointed"] = anonymous_by_mapping(proc.pid)
             else:
                 step("criu dump")
+            files[WARMUP_FILE] = warmup_record(ready)
             image = dump(proc, work / IMAGE_DIR)
             image_bytes = image.image_bytes
             files[BAKE_LOG] = (work / BAKE_LOG).read_bytes()

@@ -7,6 +7,7 @@ traceback).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -92,7 +93,7 @@ def cmd_bake(a) -> int:
     if not 1 <= a.min_ranks <= a.max_ranks:
         raise UsageError(f"--min-ranks ({a.min_ranks}) must be in 1..--max-ranks ({a.max_ranks})")
     from components.engine.checkpoint import CheckpointError
-    from snapshot.bake import bake
+    from snapshot.bake import WARMUP_FILE, bake
 
     try:
         path, m = bake(
@@ -132,6 +133,10 @@ def cmd_bake(a) -> int:
     )
     if m.tier == "criu":
         print(f"  CRIU {m.criu_version} image {_human(m.image_bytes)}, baked in {m.bake_seconds:.1f} s")
+        memory = json.loads((path / WARMUP_FILE).read_text()).get("image_memory", {})
+        for when, mem in memory.items():  # what fills the image: a restore costs about its size
+            largest = ", ".join(f"{name} {_human(n)}" for name, n in mem["largest"][:3])
+            print(f"  anonymous memory {when}: {_human(mem['total_bytes'])} (largest mappings: {largest})")
     return 0
 
 

@@ -83,6 +83,7 @@ def test_a_joiner_restored_from_a_cuda_snapshot_serves_the_reference(tmp_path, m
         "bake_s": round(bake_s, 3),
         "image_bytes": m.image_bytes,
         "cuda_checkpoint_s": warm.get("cuda_checkpoint_s"),
+        "image_memory": warm.get("image_memory"),  # what fills the image, before and after the CUDA checkpoint
         "phases_s": up.get("phases"),
         "total_s": up.get("total_s"),
         "restore_s": join_steps(log, 1),

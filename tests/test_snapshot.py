@@ -334,8 +334,8 @@ def test_cli_help():
 def test_cli_round_trip(tmp_path):
     root = tmp_path / "store"
     out = root / "one"
-    r = cli("bake", "--out", out, "--max-ranks", 2, "-q", env_root=root, check=0)  # the criu tier
-    assert f"baked {out}" in r.stdout and re.search(r"CRIU 4\.1\.1 image [\d.]+ [KMG]i?B, baked in [\d.]+ s", r.stdout)
+    baked = cli("bake", "--out", out, "--max-ranks", 2, "-q", env_root=root, check=0).stdout  # the criu tier
+    assert f"baked {out}" in baked and re.search(r"CRIU 4\.1\.1 image [\d.]+ [KMG]i?B, baked in [\d.]+ s", baked)
     r = cli("bake", "--out", out, "-q", env_root=root, check=2)
     assert "already exists" in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -345,6 +345,11 @@ def test_cli_round_trip(tmp_path):
     assert "criu/criu-image.json" in image and m.image_bytes == sum(
         (out / n).stat().st_size for n in image if n not in ("criu/criu-image.json", "criu/dump.log")
     )
+    # What the bake says fills the image (its anonymous memory by mapping) is the image's size,
+    # to within CRIU's metadata.
+    memory = json.loads((out / "warmup.json").read_text())["image_memory"]["warm"]
+    assert 0.9 * m.image_bytes < memory["total_bytes"] < 1.1 * m.image_bytes and memory["largest"]
+    assert re.search(r"anonymous memory warm: [\d.]+ [KMG]i?B \(largest mappings: \S+ [\d.]+ [KMG]i?B", baked)
     r = cli("list", env_root=root, check=0)
     assert "ID" in r.stdout and m.snapshot_id in r.stdout and "elastic-ep/tiny-moe" in r.stdout and "criu" in r.stdout
     r = cli("list", "--root", tmp_path / "empty", check=0)
