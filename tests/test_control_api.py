@@ -4,7 +4,9 @@ call it, and what a bad request gets."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from components.control.capacity import LocalProvider
 from components.control.journal import Tally
-from components.control.router import ElasticEPBody, RouterService, ScaleBody
+from components.control.router import ControlAccessLog, ElasticEPBody, RouterService, ScaleBody
 from components.graph.component import GraphContext
 from components.planner.service import parse_prometheus
 from components.protocol.config import RouterConfig, WorkerConfig
@@ -47,6 +49,36 @@ def test_probes_and_scrapers_need_no_token():
     (health, metrics) = call([("GET", "/health", {}), ("GET", "/metrics", {})])
     assert health == (503, '{"status": "starting", "epoch": 0}')  # not 401: the probe sends no token
     assert metrics[0] == 200 and parse_prometheus(metrics[1])["elastic_router_epoch"] == [({}, 0.0)]
+
+
+def test_reads_are_logged_at_debug_and_changes_and_refusals_at_info(caplog):
+    """The graph's liveness checks and the planner poll the router every second: their lines
+    would bury the ones about scaling."""
+
+    async def run():
+        svc = RouterService(None, None, RouterConfig(token="s3cret"), WorkerConfig())
+        server = TestServer(svc.app())
+        await server.start_server(access_log_class=ControlAccessLog)  # as the router's runner has it
+        async with TestClient(server) as client:
+            for method, path, kw in [
+                ("GET", "/health", {}),  # 503 while starting, and still a poll
+                ("GET", "/metrics", {}),
+                ("GET", "/topology", {"headers": AUTH}),
+                ("GET", "/topology", {}),  # no token: refused
+                ("POST", "/scale", {"headers": AUTH, "json": {"dp_size": 2}}),  # no ranks yet: refused
+            ]:
+                await client.request(method, path, **kw)
+
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.access"):
+        asyncio.run(run())
+    lines = [(r.levelno, r.getMessage().split(" ", 1)[1]) for r in caplog.records if r.name == "aiohttp.access"]
+    assert [(level, re.sub(r" in [\d.]+ ms$", "", msg)) for level, msg in lines] == [
+        (logging.DEBUG, "GET /health -> 503"),
+        (logging.DEBUG, "GET /metrics -> 200"),
+        (logging.DEBUG, "GET /topology -> 200"),
+        (logging.INFO, "GET /topology -> 401"),
+        (logging.INFO, "POST /scale -> 503"),
+    ]
 
 
 def rank_status(rank: int) -> RankStatus:
