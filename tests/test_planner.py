@@ -6,6 +6,7 @@ capacity provider (against a fake API server) on their own."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import re
@@ -159,6 +160,25 @@ def test_planner_metrics_expose_its_last_decision():
         "elastic_planner_inflight_requests": [({}, 9.5)],
         "elastic_planner_request_rate": [({}, 1.25)],
     }
+
+
+def test_a_keep_for_the_same_reason_as_the_last_is_logged_at_debug(caplog):
+    """A decision every interval: the keeps that say nothing new must not bury the ones that act."""
+    svc = PlannerService(Planner.Config(), Bounds(min_dp=1, max_dp=4, up=4.0, down=1.0), "http://fe", "http://rt")
+    decisions = [
+        ("keep", 2, "load/rank 0.00 within band (4, 16] (at min_dp)"),
+        ("keep", 2, "load/rank 0.50 within band (4, 16] (at min_dp)"),  # same kind: debug
+        ("up", 3, "load/rank 20.00 above 16 for 2 intervals"),
+        ("keep", 3, "cooldown: 25 s left"),
+        ("keep", 3, "cooldown: 20 s left"),  # debug
+        ("keep", 3, "load/rank 5.00 within band (4, 16]"),
+    ]
+    with caplog.at_level(logging.DEBUG, logger="components.planner.service"):
+        for action, target, reason in decisions:
+            svc._record(Decision(time=0.0, action=action, current=2, target=target, reason=reason, inputs={}))
+    levels = [r.levelno for r in caplog.records if "planner: decision" in r.getMessage()]
+    assert levels == [logging.INFO, logging.DEBUG, logging.INFO, logging.INFO, logging.DEBUG, logging.INFO]
+    assert svc.counts["keep"] == 5 and len(svc.decisions) == 6  # every one still counted and kept
 
 
 # ---------------------------------------------------------------------------------------------

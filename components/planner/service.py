@@ -17,8 +17,10 @@ concurrency it must serve, and picks a DP size:
 The band between the two thresholds is the hysteresis that keeps a steady load from flapping.
 It acts only through the router's `POST /scale` (the router asks its capacity provider for the
 joining ranks). It is not a critical process: if it dies the deployment keeps serving at its
-current size. Every decision is logged (`planner: decision ...`) and counted on its own
-`/metrics` (127.0.0.1:`port`); `/decisions` returns the last ones as JSON.
+current size. Every decision is logged (`planner: decision ...`): one that acts, and a keep whose
+reason changes in kind, at INFO; a keep for the same reason as the one before at DEBUG (one
+every interval would bury the rest). Each is counted on its own `/metrics` (127.0.0.1:`port`);
+`/decisions` returns the last ones as JSON.
 
 Defaults keep an idle default deployment where it started: `min_dp` = 0 means Worker.dp_size
 (the start size), `max_dp` = 0 means Worker.max_ranks, and `scale_up_threshold` = 0 means
@@ -34,6 +36,7 @@ import collections
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -344,6 +347,11 @@ class Policy:
 # the service
 
 
+def _kind(reason: str) -> str:
+    """A decision's reason without its numbers: what kind of reason it is."""
+    return re.sub(r"-?\d+(\.\d+)?", "#", reason)
+
+
 class PlannerService:
     def __init__(self, cfg: Planner.Config, bounds: Bounds, frontend_url: str, router_url: str, token: str = ""):
         self.cfg, self.bounds = cfg, bounds
@@ -505,10 +513,16 @@ class PlannerService:
         return self._record(d)
 
     def _record(self, d: Decision) -> Decision:
+        repeated = (
+            d.action == "keep"
+            and self.last is not None
+            and (self.last.action, _kind(self.last.reason)) == (d.action, _kind(d.reason))
+        )
         self.counts[d.action] += 1
         self.decisions.append(d)
         self.last = d
-        log.info(
+        log.log(
+            logging.DEBUG if repeated else logging.INFO,
             "planner: decision %s target=%d current=%d inputs=%s reason=%s",
             d.action,
             d.target,
