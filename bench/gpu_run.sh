@@ -12,6 +12,9 @@
 #           one per GPU, then 4 ranks two per GPU under MPS.
 # step:     bench.step on that model (one rank's step by phase, its graph alone, the floor).
 # attention: bench.attention (one layer's decode attention, gather + SDPA against the Triton kernel).
+# join:     bench.join on that model: a cold joiner against one restored from a CUDA snapshot, by
+#           phase and step (needs CRIU: ELASTIC_EP_CRIU), and what fills the image.
+# restore:  bench.criu_restore: CRIU restore time by image size beside this machine's first-touch floor.
 # Results go to $OUT (default bench/results). Needs torch with CUDA, and nixl-cu13, msgspec and
 # ai-dynamo-runtime importable.
 set -uo pipefail
@@ -63,7 +66,13 @@ for step in "$@"; do
         $PY -m bench.step --model /tmp/mxl --out "$OUT/step_h200.json" || rc=1 ;;
     attention)
         $PY -m bench.attention --out "$OUT/attention_h200.json" || rc=1 ;;
-    *) echo "unknown step $step (tests, pull, scale, handover, decode, step, attention)"; exit 2 ;;
+    join)
+        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        $PY -m bench.join --device cuda --model /tmp/mxl --dtype bfloat16 --max-seqs 8 \
+            --out "$OUT/join_cuda_h200_mxl.json" || rc=1 ;;
+    restore)
+        $PY -m bench.criu_restore --out "$OUT/criu_restore_h200.json" || rc=1 ;;
+    *) echo "unknown step $step (tests, pull, scale, handover, decode, step, attention, join, restore)"; exit 2 ;;
     esac
 done
 exit $rc
