@@ -154,6 +154,10 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
         server.model_dir,
         server.model_name,
         worker_type=WorkerType.Aggregated,
+        # The card in the discovery store, where the frontend reads it: serving it from the
+        # worker needs a system port per process (DYN_SYSTEM_PORT), and Dynamo's default asks for
+        # that, warning and falling back to the store on every start.
+        self_host_metadata=False,
     )
     server.note(
         started_for(),
