@@ -37,12 +37,12 @@ class DecodeGraphs:
         dtype = model.lm_head.weight.dtype
         # The inputs, a row each: token ids, positions, KV slots, context lengths, real (1) or
         # padding (0). One copy from pinned memory fills them: a tensor per field would cost a
-        # host->device copy each, and host work is the part of a step a graph cannot hide.
+        # host->device copy each, and host work is the part of a step a graph cannot hide. Each
+        # capture starts them as padding (`_capture`).
         self.inputs = torch.zeros(5, B, dtype=torch.int64, device=dev)
         self.ids, self.pos, self.slots, self.ctx, self.real = self.inputs
         # Padding rows attend over the one scratch token and are never dispatched.
         self.padding = np.array([[0], [0], [scratch_slot], [1], [0]], dtype=np.int64)
-        self.inputs.copy_(torch.from_numpy(self.padding).expand(5, B))
         # Every row past a step's batch stays padding: a larger graph's capture runs over all its
         # rows, and zeros there (KV slot 0, no context) would write a live sequence's first token
         # and attend over nothing.
