@@ -360,12 +360,14 @@ def test_sampling_is_reproducible_with_a_seed_and_stops_on_stop_tokens(tmp_path)
         eng.stop()
 
 
-def test_a_seeded_completion_does_not_depend_on_its_batch(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_seeded_completion_does_not_depend_on_its_batch(tmp_path, device):
     """The sampling noise is keyed by (seed, position, token): a seeded request draws the same
-    tokens alone and batched with other requests (seeded, unseeded, greedy), and top_k=1 is greedy."""
+    tokens alone and batched with other requests (seeded, unseeded, greedy), and top_k=1 is greedy.
+    On CUDA the decode rows draw in the sampling graphs."""
     import threading
 
-    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"))
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), device)
     eng.start()
     seeded = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7}
     try:
@@ -391,8 +393,34 @@ def test_a_seeded_completion_does_not_depend_on_its_batch(tmp_path):
         assert done.wait(120)
         assert outs["x"] == alone
         assert outs["0"] == generate(eng, [PROMPTS[0]], MAX_NEW, ignore_eos=True)[0][0]
+        if device == "cuda":
+            assert eng.graphs.samplers  # the decode rows drew in a graph
     finally:
         eng.stop()
+
+
+@pytest.mark.gpu
+def test_the_sampling_graph_draws_what_the_eager_sampler_draws(tmp_path):
+    """Over the same logits and parameters, with padding rows behind the real ones: the same ids."""
+    from components.engine.sampler import SampleParams, sample
+
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), "cuda", cuda_graph_sizes=(8,))
+    g = eng.graphs
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for real in (1, 5, 8):
+        g.logits.copy_(torch.randn(g.logits.shape, generator=gen, device="cuda") * 3)
+        g._last = 8
+        params = SampleParams(
+            temperature=[0.0, 0.7, 1.0, 1.3, 0.9, 0.5, 2.0, 1.0][:real],
+            top_p=[1.0, 0.9, 1.0, 0.5, 0.95, 1.0, 0.8, 1.0][:real],
+            top_k=[0, 0, 40, 5, 0, 1, 0, 3][:real],
+            seed=[7, 8, 9, 2**62, 11, 12, 13, 14][:real],
+            position=[3, 4, 5, 6, 7, 8, 9, 1000][:real],
+        )
+        got = g.sample(params).clone()
+        assert torch.equal(got, sample(g.logits[:real], *params.on("cuda"))), real
+    assert list(g.samplers) == [8]  # captured once, replayed after
+    eng.comm.close()
 
 
 def test_the_context_length_defaults_to_the_models_capped_by_memory(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ import torch
 
 from components.engine.layers import ForwardBatch, KVCache, StepRows
 from components.engine.moe import Dispatch
+from components.engine.sampler import SampleParams, sample
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,19 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0  # decode steps served by graphs
         self.pool = None
+        self._last = 0  # the size of the graph the last step ran
+        # Decode steps with sampled rows draw in a graph of their own per size, captured at its
+        # first use (it reads the logits and these parameters, all at fixed addresses): the
+        # draw's twenty-odd kernels (scale, sort, softmax, cumsum, noise) in one launch. Rows:
+        # temperature and top_p; top_k, seed and the position being sampled.
+        self.sample_floats = torch.zeros(2, B, dtype=torch.float32, device=dev)
+        self.sample_ints = torch.zeros(3, B, dtype=torch.int64, device=dev)
+        self.sample_staging = (
+            torch.zeros(2, B, dtype=torch.float32).pin_memory(),
+            torch.zeros(3, B, dtype=torch.int64).pin_memory(),
+        )
+        self.sampled = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.samplers: dict[int, torch.cuda.CUDAGraph] = {}
         for b in reversed(self.sizes):  # largest first so smaller graphs share its memory pool
             self._capture(b)
         log.info("captured decode graphs for batch sizes %s (%d segments each)", self.sizes, len(self.cuts) + 1)
@@ -178,6 +192,7 @@ class DecodeGraphs:
         self.model.ep.sync_mask()
         graphs, layouts = self.graphs[b], self.dispatch[b]
         self.replays += 1
+        self._last = b
         if len(graphs) == 1:  # the exchanges are inside
             graphs[0].replay()
             return self.logits[:real]
@@ -186,3 +201,37 @@ class DecodeGraphs:
             moe.exchange(layouts[k], self.y[k][: b * moe.top_k])
         graphs[-1].replay()
         return self.logits[:real]
+
+    def sample(self, params: SampleParams) -> torch.Tensor:
+        """Draw a token for each decode row of the step just queued (`run`), with `params` a row
+        each, in the sampling graph of that step's size; returns the ids, valid once the stream
+        gets there. Padding rows draw greedily and are not returned."""
+        real, b = len(params.seed), self._last
+        # The staging was last read by the previous step's copies, done before its ids were read.
+        floats, ints = (t.numpy() for t in self.sample_staging)
+        floats[:, :real] = (params.temperature, params.top_p)
+        floats[:, real:b] = 0.0
+        ints[:, :real] = (params.top_k, params.seed, params.position)
+        ints[:, real:b] = 0
+        self.sample_floats.copy_(self.sample_staging[0], non_blocking=True)
+        self.sample_ints.copy_(self.sample_staging[1], non_blocking=True)
+        if b not in self.samplers:
+            self.samplers[b] = self._capture_sampler(b)
+        self.samplers[b].replay()
+        return self.sampled[:real]
+
+    def _capture_sampler(self, b: int) -> torch.cuda.CUDAGraph:
+        def draw():
+            f, i = self.sample_floats[:, :b], self.sample_ints[:, :b]
+            self.sampled[:b].copy_(sample(self.logits[:b], f[0], f[1], i[0], i[1], i[2]))
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            draw()  # outside the capture first, as every graph here
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):  # a pool of its own: its scratch outlives no step
+            draw()
+        log.info("captured the sampling graph for batch size %d", b)
+        return g

@@ -31,7 +31,7 @@ from components.engine.layers import KVCache, StepRows
 from components.engine.model import build_model
 from components.engine.moe import ExpertParallel
 from components.engine.request import GenerateRequest, RequestError, TokenOutput
-from components.engine.sampler import sample
+from components.engine.sampler import SampleParams, sample
 from components.engine.scheduler import Scheduler, Sequence
 from components.protocol.placement import Placement, balanced_placement, slots_needed
 from components.protocol.transfer import expert_slot_name
@@ -509,29 +509,33 @@ class EngineRank:
             and 1 < work[0][1] <= self.graphs.sizes[-1]
         )
         step = self.sched.rows(work, per_token=rows)
-        params = self._sample_params(work)  # copied in before the forward is queued: no wait
+        params = self._sample_params(work)
         if self.graphs is not None and self.graphs.fits(step):
             logits, greedy = self.graphs.run(step), self.graphs.greedy[: len(step.ids)]
-            if rows:
-                logits, greedy = logits[-1:], greedy[-1:]
+            if params is None:
+                ids = greedy[-1:] if rows else greedy
+            elif rows:  # a prompt chunk: only its last row draws, once a prompt
+                ids = sample(logits[-1:], *params.on(self.device))
+            else:  # in the sampling graph of the decode graph's size
+                ids = self.graphs.sample(params)
         else:
+            drawn = params.on(self.device) if params is not None else None  # copied in before the forward
             logits = self.model(step.on(self.device), self.kv)
-            greedy = torch.argmax(logits, dim=-1) if params is None else None
-        ids = greedy if params is None else sample(logits, *params)
+            ids = torch.argmax(logits, dim=-1) if params is None else sample(logits, *drawn)
         self._settle()  # a step whose exchange gave up is discarded here
         done = [seq.num_computed + n >= seq.sample_from for seq, n in work]
         self.sched.update(work, [t if d else None for t, d in zip(ids.tolist(), done)])
 
-    def _sample_params(self, work: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ...] | None:
-        """The batch's sampling parameters on the device, for one batched draw after the forward
-        (rows of a prefill chunk that is not the last are drawn and ignored); None: all greedy."""
+    def _sample_params(self, work: list[tuple[Sequence, int]]) -> SampleParams | None:
+        """The batch's sampling parameters, for one batched draw after the forward (rows of a
+        prefill chunk that is not the last are drawn and ignored); None: all greedy."""
         reqs = [seq.req for seq, _ in work]
         if all(r.temperature <= 0 for r in reqs):
             return None
-        floats = torch.tensor([[r.temperature for r in reqs], [r.top_p for r in reqs]], dtype=torch.float32)
-        ints = torch.tensor(
-            [[r.top_k for r in reqs], [seq.seed for seq, _ in work], [seq.num_computed + n for seq, n in work]],
-            dtype=torch.int64,
+        return SampleParams(
+            temperature=[r.temperature for r in reqs],
+            top_p=[r.top_p for r in reqs],
+            top_k=[r.top_k for r in reqs],
+            seed=[seq.seed for seq, _ in work],
+            position=[seq.num_computed + n for seq, n in work],
         )
-        floats, ints = floats.to(self.device), ints.to(self.device)
-        return floats[0], floats[1], ints[0], ints[1], ints[2]

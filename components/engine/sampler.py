@@ -10,6 +10,8 @@ caller reads the sampled ids once per step.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -38,6 +40,22 @@ def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torc
     h = _mix(h ^ (seed.unsqueeze(1) & _MASK32))
     u = (h.to(torch.float64) + 0.5) * 2.0**-32  # in (0, 1), never 0 or 1
     return (-torch.log(-torch.log(u))).to(torch.float32)
+
+
+class SampleParams(NamedTuple):
+    """A batch's sampling parameters on the host, one entry per row."""
+
+    temperature: list[float]
+    top_p: list[float]
+    top_k: list[int]
+    seed: list[int]  # in [0, 2**63)
+    position: list[int]  # index in its sequence of the token each row samples
+
+    def on(self, device) -> tuple[torch.Tensor, ...]:
+        """The tensors `sample` takes after the logits, on `device` (two copies)."""
+        floats = torch.tensor([self.temperature, self.top_p], dtype=torch.float32).to(device)
+        ints = torch.tensor([self.top_k, self.seed, self.position], dtype=torch.int64).to(device)
+        return floats[0], floats[1], ints[0], ints[1], ints[2]
 
 
 def sample(
