@@ -259,6 +259,11 @@ def warm_for_image(spec: BakeSpec):
         eng.release_memory()
         torch.cuda.empty_cache()  # the allocator's free blocks would be checkpointed too
         ready.warm["arena_released_bytes"] = eng.arena.nbytes
+        # What the CUDA checkpoint still moves into the image, beside the driver's own state.
+        ready.warm["torch_device_bytes"] = {
+            "allocated": torch.cuda.memory_allocated(eng.device),
+            "reserved": torch.cuda.memory_reserved(eng.device),
+        }
     else:
         ready.warm["pages_dropped_bytes"] = drop_pages([*eng.weight_tensors().values(), *eng.kv.k, *eng.kv.v])
     eng.comm.suspend()

@@ -67,6 +67,9 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0  # decode steps served by graphs
         self.pool = None
+        # One stream for every eager warm-up before a capture: cuBLAS keeps a 32 MiB workspace
+        # for each stream it ever ran on, for the life of the process (and of a snapshot image).
+        self._warmup_stream = torch.cuda.Stream()
         self._last = 0  # the size of the graph the last step ran
         # Decode steps with sampled rows draw in a graph of their own per size, captured at its
         # first use (it reads the logits and these parameters, all at fixed addresses): the
@@ -150,7 +153,7 @@ class DecodeGraphs:
         self.inputs.copy_(torch.from_numpy(self.padding).expand_as(self.inputs))
         # Captured alone (nothing is active yet): pairs have nowhere to go, which is no error.
         ep.set_masked_warmup(True)
-        stream = torch.cuda.Stream()
+        stream = self._warmup_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for seg in segs:  # warm up kernels (and their autotuning) outside the capture
@@ -225,7 +228,7 @@ class DecodeGraphs:
             f, i = self.sample_floats[:, :b], self.sample_ints[:, :b]
             self.sampled[:b].copy_(sample(self.logits[:b], f[0], f[1], i[0], i[1], i[2]))
 
-        stream = torch.cuda.Stream()
+        stream = self._warmup_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             draw()  # outside the capture first, as every graph here
