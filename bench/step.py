@@ -12,12 +12,14 @@ engine code is what a server runs:
   inputs     the step's rows on the host (Scheduler.rows) and the sampling parameters on the device
   launch     queueing the forward: the rows copied into the graph's inputs (one copy) and the graph
              replayed (or the rows on the device and eager kernels)
-  wait       until the device finished the step (EngineRank._settle) and the sampled ids are read
-  update     appending tokens and emitting them (Scheduler.update)
+  wait       until the device finished the step queued before this one (EngineRank._settle): a
+             step is queued before the one before it is read back, so the host's work overlaps
+             the device's, and a step's time is the interval between steps
+  update     appending that step's tokens and emitting them (Scheduler.update)
 
 Then `graph ms`: the decode graph of that batch size replayed alone (median of `--replays`, a sync
 around each), and `floor ms`: every weight byte read once at `--hbm-gbps` (a decode batch of 32 or
-more touches every expert). The step's host work is what the step adds beyond the graph.
+more touches every expert). What a step takes beyond the graph is host work the overlap left exposed.
 
     python -m bench.step --model DIR --batch 1,8,32,64          # cuda when there is one
 """

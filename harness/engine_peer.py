@@ -54,7 +54,7 @@ def main() -> None:
             by_slot = {s.slot: s for s in eng.sched.running}
             for i, (slot, ctx) in enumerate(zip(*host(batch))):
                 seq = by_slot[slot]
-                if ctx == len(seq.tokens):
+                if ctx == len(seq.tokens) + seq.pending:  # it draws a token not yet known
                     logits.setdefault(seq.req.request_id, []).append(out[i].tolist())
             return out
 

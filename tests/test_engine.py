@@ -62,7 +62,7 @@ def test_single_rank_matches_transformers(model, device, invariant):
             work = eng.sched.schedule()
             with torch.no_grad():
                 got.append(eng.model(eng.sched.rows(work).on(eng.device), eng.kv)[0].cpu())
-            eng.sched.update(work, [tok])
+            eng.sched.update(work, eng.sched.advance(work), [tok])
         eng.sched.cancel("x")
         assert_logits_close(torch.stack(got), want)
     eng.comm.close()

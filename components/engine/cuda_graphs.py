@@ -37,18 +37,22 @@ class DecodeGraphs:
         B, H = self.sizes[-1], model.cfg.hidden_size
         dtype = model.lm_head.weight.dtype
         # The inputs, a row each: token ids, positions, KV slots, context lengths, real (1) or
-        # padding (0). One copy from pinned memory fills them: a tensor per field would cost a
-        # host->device copy each, and host work is the part of a step a graph cannot hide. Each
-        # capture starts them as padding (`_capture`).
-        self.inputs = torch.zeros(5, B, dtype=torch.int64, device=dev)
-        self.ids, self.pos, self.slots, self.ctx, self.real = self.inputs
+        # padding (0), and -1 or the row of `drawn` that holds the id (StepRows.src). One copy
+        # from pinned memory fills them: a tensor per field would cost a host->device copy each,
+        # and host work is the part of a step a graph cannot hide. Each capture starts them as
+        # padding (`_capture`).
+        self.inputs = torch.zeros(6, B, dtype=torch.int64, device=dev)
+        self.ids, self.pos, self.slots, self.ctx, self.real, self.src = self.inputs
+        # The tokens the step before drew, for rows whose id it was still drawing when queued.
+        self.drawn = torch.zeros(B, dtype=torch.int64, device=dev)
         # Padding rows attend over the one scratch token and are never dispatched.
-        self.padding = np.array([[0], [0], [scratch_slot], [1], [0]], dtype=np.int64)
+        self.padding = np.array([[0], [0], [scratch_slot], [1], [0], [-1]], dtype=np.int64)
         # Every row past a step's batch stays padding: a larger graph's capture runs over all its
         # rows, and zeros there (KV slot 0, no context) would write a live sequence's first token
-        # and attend over nothing.
-        self.staging = torch.from_numpy(np.repeat(self.padding, B, axis=1)).pin_memory()
-        self._staged = torch.cuda.Event()  # the staging buffer was read by the last copy
+        # and attend over nothing. Two buffers, steps taking turns: a step is staged while the
+        # one before may not have started, and its copy read the other buffer.
+        self.staging = [torch.from_numpy(np.repeat(self.padding, B, axis=1)).pin_memory() for _ in range(2)]
+        self._staged = [torch.cuda.Event() for _ in range(2)]  # each buffer read by its last copy
         self.valid = torch.zeros(B, dtype=torch.bool, device=dev)  # `real`, as the dispatch takes it
         self.greedy = torch.zeros(B, dtype=torch.int64, device=dev)  # each row's argmax token
         blocks = list(model.model.layers)
@@ -77,10 +81,10 @@ class DecodeGraphs:
         # temperature and top_p; top_k, seed and the position being sampled.
         self.sample_floats = torch.zeros(2, B, dtype=torch.float32, device=dev)
         self.sample_ints = torch.zeros(3, B, dtype=torch.int64, device=dev)
-        self.sample_staging = (
-            torch.zeros(2, B, dtype=torch.float32).pin_memory(),
-            torch.zeros(3, B, dtype=torch.int64).pin_memory(),
-        )
+        self.sample_staging = [  # in turns, as the inputs' staging
+            (torch.zeros(2, B, dtype=torch.float32).pin_memory(), torch.zeros(3, B, dtype=torch.int64).pin_memory())
+            for _ in range(2)
+        ]
         self.sampled = torch.zeros(B, dtype=torch.int64, device=dev)
         self.samplers: dict[int, torch.cuda.CUDAGraph] = {}
         for b in reversed(self.sizes):  # largest first so smaller graphs share its memory pool
@@ -116,7 +120,9 @@ class DecodeGraphs:
                 # next (one kernel on CUDA), and the block takes that normed input as it is.
                 if k == 0:
                     torch.ne(self.real[:b], 0, out=self.valid[:b])
-                    x, x_normed = m.model.embed_tokens(batch.input_ids), None  # block 0 norms its own
+                    src = self.src[:b]
+                    ids = torch.where(src >= 0, self.drawn[src.clamp(min=0)], batch.input_ids)
+                    x, x_normed = m.model.embed_tokens(ids), None  # block 0 norms its own
                 else:
                     moe = self.moes[k - 1]
                     out = moe.combine(self.n[k - 1][:b], layouts[k - 1], self.y[k - 1][: b * moe.top_k])
@@ -181,17 +187,22 @@ class DecodeGraphs:
     def fits(self, rows: StepRows) -> bool:
         return rows.decode_only and len(rows.q_lens) <= self.sizes[-1]
 
-    def run(self, rows: StepRows) -> torch.Tensor:
+    def run(self, rows: StepRows, drawn: torch.Tensor | None = None) -> torch.Tensor:
         """Queue the step of `rows` (decode rows, or one prompt chunk a token a row); returns its
-        logits, and `greedy` holds each row's argmax, both valid once the stream gets there."""
+        logits, and `greedy` holds each row's argmax, both valid once the stream gets there.
+        `drawn`: the draws of the step before, where rows with a `src` read their ids."""
         real = len(rows.ids)
         b = next(s for s in self.sizes if s >= real)
-        self._staged.synchronize()  # normally long done: the caller waited for the last step
-        host = self.staging.numpy()
-        host[:, :real] = (rows.ids, rows.positions, rows.token_slots, rows.ctx_lens, [1] * real)
+        turn = self.replays % 2
+        self._staged[turn].synchronize()  # long done: the caller waited for the step that read it
+        host = self.staging[turn].numpy()
+        src = rows.src if rows.src is not None else [-1] * real
+        host[:, :real] = (rows.ids, rows.positions, rows.token_slots, rows.ctx_lens, [1] * real, src)
         host[:, real:b] = self.padding
-        self.inputs.copy_(self.staging, non_blocking=True)
-        self._staged.record()
+        self.inputs.copy_(self.staging[turn], non_blocking=True)
+        self._staged[turn].record()
+        if rows.reads_pending:
+            self.drawn[: len(drawn)].copy_(drawn)
         self.model.ep.sync_mask()
         graphs, layouts = self.graphs[b], self.dispatch[b]
         self.replays += 1
@@ -210,14 +221,16 @@ class DecodeGraphs:
         each, in the sampling graph of that step's size; returns the ids, valid once the stream
         gets there. Padding rows draw greedily and are not returned."""
         real, b = len(params.seed), self._last
-        # The staging was last read by the previous step's copies, done before its ids were read.
-        floats, ints = (t.numpy() for t in self.sample_staging)
+        # This turn's staging was last read by the copies of the step before the one before,
+        # whose ids were read before this step was queued.
+        staging = self.sample_staging[(self.replays - 1) % 2]
+        floats, ints = (t.numpy() for t in staging)
         floats[:, :real] = (params.temperature, params.top_p)
         floats[:, real:b] = 0.0
         ints[:, :real] = (params.top_k, params.seed, params.position)
         ints[:, real:b] = 0
-        self.sample_floats.copy_(self.sample_staging[0], non_blocking=True)
-        self.sample_ints.copy_(self.sample_staging[1], non_blocking=True)
+        self.sample_floats.copy_(staging[0], non_blocking=True)
+        self.sample_ints.copy_(staging[1], non_blocking=True)
         if b not in self.samplers:
             self.samplers[b] = self._capture_sampler(b)
         self.samplers[b].replay()

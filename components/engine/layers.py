@@ -23,17 +23,30 @@ class StepRows(NamedTuple):
     ctx_lens: list[int]  # [B] context length once this step has written its tokens
     last_index: list[int]  # [B] index in T of each sequence's last token
     q_lens: list[int]  # [B]
+    # [T] -1, or the row of the step still in flight whose drawn token is this row's (its id is
+    # a placeholder): the step reads it on the device, so it can be queued before that is read.
+    src: list[int] | None = None
 
     @property
     def decode_only(self) -> bool:
         return all(n == 1 for n in self.q_lens)
 
-    def on(self, device) -> ForwardBatch:
+    @property
+    def reads_pending(self) -> bool:
+        return self.src is not None and any(s >= 0 for s in self.src)
+
+    def on(self, device, drawn: torch.Tensor | None = None) -> ForwardBatch:
+        """On `device`; `drawn`: the draws of the step in flight, where `src` rows read."""
+
         def t(v):
             return torch.tensor(v, dtype=torch.int64, device=device)
 
+        ids = t(self.ids)
+        if self.reads_pending:
+            src = t(self.src)
+            ids = torch.where(src >= 0, drawn[src.clamp(min=0)], ids)
         return ForwardBatch(
-            input_ids=t(self.ids),
+            input_ids=ids,
             positions=t(self.positions),
             token_slots=t(self.token_slots),
             slots=t(self.slots),

@@ -40,14 +40,13 @@ class ExpertParallel:
             if self.windows is not None
             else torch.zeros(expert_map.max_ranks, dtype=torch.bool, device=dev)
         )
-        # Pairs the map routed outside the active set, counted on the device (by the dispatch)
-        # where the exchange is device work (the host-driven one raises at once); `strict` is 0
-        # in masked warmup.
-        self.misrouted = torch.zeros(1, dtype=torch.int64, device=dev)
+        # Counted on the device, read by the step loop from its copy of `counters` made after
+        # each step: (token, expert) pairs this rank computed for any rank, and pairs the map
+        # routed outside the active set (counted by the dispatch where the exchange is device
+        # work; the host-driven one raises at once). `strict` is 0 in masked warmup.
+        self.counters = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.rows_computed, self.misrouted = self.counters[0:1], self.counters[1:2]
         self.strict = torch.ones(1, dtype=torch.int64, device=dev)
-        # (token, expert) pairs this rank computed for any rank, counted without a host sync;
-        # the step loop reads it after the step's own sync.
-        self.rows_computed = torch.zeros(1, dtype=torch.int64, device=dev)
         self._mask_of: tuple[int, ...] | None = None
         # A joiner warming up alone (remote peers masked) drops the pairs routed to masked ranks,
         # as vLLM's mask_remote_ranks does; outside warmup such a route is a bug and raises.
@@ -57,9 +56,8 @@ class ExpertParallel:
         self.masked_warmup = on
         self.strict.fill_(0 if on else 1)
 
-    def check_routes(self) -> None:
-        """After a step with device exchanges (synchronized): raise on pairs routed to masked ranks."""
-        n = int(self.misrouted)
+    def check_routes(self, n: int) -> None:
+        """After a step with device exchanges: raise on `n`, the misrouted count it left."""
         if n:
             self.misrouted.zero_()
             raise RuntimeError(

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -166,6 +167,16 @@ def ep_communicator(cfg: RankConfig, device: torch.device, mc, dtype: torch.dtyp
     return WindowCommunicator(host, windows)
 
 
+class Launched(NamedTuple):
+    """A step queued on the device whose draws the host has not read yet."""
+
+    work: list[tuple[Sequence, int]]
+    positions: list[int]  # Scheduler.advance's: where each row's draw goes in its sequence
+    ids: torch.Tensor | None  # the draws on the device, a row each (a dummy step: None)
+    host: torch.Tensor  # their copy on the host, then the EP's two counters (ExpertParallel.counters)
+    done: torch.cuda.Event | None  # recorded after the copies (CUDA)
+
+
 class EngineRank:
     def __init__(self, cfg: RankConfig, model_dir: str, comm: EPCommunicator | None = None, load_weights: bool = True):
         self.cfg = cfg
@@ -219,6 +230,12 @@ class EngineRank:
         self._peers_busy = False
         self.ep_failed_peers: list[int] = []  # peers a collective failed on since the last configure
         self._expert_rows = 0  # the device counter as of the last step
+        self._launched: Launched | None = None  # the step in flight
+        # Where the draws of the step in flight, and of the one queued behind it, come back.
+        pinned = self.device.type == "cuda"
+        self._host = [torch.zeros(cfg.max_seqs + 2, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._done = [torch.cuda.Event() for _ in range(2)] if pinned else []
+        self._turn = 0
         # Called with what broke the step loop (a bug, not a peer); None: the loop thread raises.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._stop = False
@@ -439,7 +456,7 @@ class EngineRank:
                 self._wake.clear()
                 continue
             has_work = self.sched.has_work()
-            if not has_work and not self._peers_busy and not self._pause_wanted:
+            if not has_work and not self._peers_busy and not self._pause_wanted and self._launched is None:
                 # Nobody had work last time: wait a little for ours before asking again.
                 if self._wake.wait(self.cfg.idle_wait_s):
                     self._wake.clear()
@@ -464,67 +481,121 @@ class EngineRank:
         for fut in waiters:
             fut.set_result(self.steps)
 
-    def _settle(self) -> None:
-        """Wait for the step's device work, then raise if a device exchange gave up (EPError) or
-        a pair was routed outside the active set, before anything of the step is used. The wait
+    def _settle(self, step: Launched) -> None:
+        """Wait for `step`'s device work, then raise if a device exchange gave up (EPError) or a
+        pair was routed outside the active set, before anything of the step is used. The wait
         polls an event rather than blocking in a CUDA call that holds the GIL: a wait kernel may
         spin for a slow peer for seconds, and the worker's status and Pause(gone) handlers must
         answer meanwhile."""
-        ep = self.model.ep
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
+        if step.done is not None:
             spins = 0
-            while not done.query():
+            while not step.done.query():
                 spins += 1
                 time.sleep(0 if spins < 1000 else 0.0002)
+        ep = self.model.ep
+        rows_computed, misrouted = step.host[-2:].tolist()
         if ep.windows is not None:
             ep.windows.check()
-            ep.check_routes()
-        self._expert_rows = int(ep.rows_computed)
+            ep.check_routes(misrouted)
+        self._expert_rows = rows_computed
 
     def _step(self, has_work: bool) -> None:
+        """One step of the group. A step is queued before the one before it is read back: the
+        host's work for a step (schedule, inputs, launch, reading ids, emitting tokens) runs while
+        the device computes the previous one, and rows needing a token still being drawn read it
+        on the device. Whatever stops stepping (a pause, nobody busy) completes it first."""
         header = torch.tensor([int(has_work), int(self._pause_wanted)], dtype=torch.int64)
         raw = header.view(torch.uint8)
         heads = self.comm.all_to_all({r: raw for r in self.comm.active})
         flags = torch.stack([h.view(torch.int64) for h in heads.values()])
         if bool(flags[:, 1].any()):
+            self._complete()
             self._enter_pause()
             return
         self._peers_busy = bool(flags[:, 0].any())
         if not self._peers_busy:
+            self._complete()
             return
         self.steps += 1
         work = self.sched.schedule()
+        if not work and self._launched is not None:  # what follows may depend on how it ends
+            self._complete()
+            work = self.sched.schedule()
+        try:
+            step = self._launch(work)
+        except EPError:  # a host-driven exchange: the step before finished before this one began
+            self._complete()
+            raise
+        try:
+            self._complete()
+        except EPError:
+            self._abandon(step)
+            raise
+        self._launched = step
+
+    def _launch(self, work: list[tuple[Sequence, int]]) -> Launched:
+        """Queue the step of `work` (none: a dummy step, taking part in the collectives) and the
+        copy of its draws to the host; the scheduler counts its tokens as computed."""
+        drawn = self._launched.ids if self._launched is not None else None
         if not work:
             self.model.dummy_step()
-            self._settle()
-            return
-        # A prompt chunk of a batch-invariant rank runs through the graphs one token a row, in the
-        # graph its length picks: only its last row's logits are sampled.
-        rows = (
-            self.graphs is not None
-            and self.cfg.batch_invariant
-            and len(work) == 1
-            and 1 < work[0][1] <= self.graphs.sizes[-1]
-        )
-        step = self.sched.rows(work, per_token=rows)
-        params = self._sample_params(work)
-        if self.graphs is not None and self.graphs.fits(step):
-            logits, greedy = self.graphs.run(step), self.graphs.greedy[: len(step.ids)]
-            if params is None:
-                ids = greedy[-1:] if rows else greedy
-            elif rows:  # a prompt chunk: only its last row draws, once a prompt
-                ids = sample(logits[-1:], *params.on(self.device))
-            else:  # in the sampling graph of the decode graph's size
-                ids = self.graphs.sample(params)
+            ids = None
         else:
-            drawn = params.on(self.device) if params is not None else None  # copied in before the forward
-            logits = self.model(step.on(self.device), self.kv)
-            ids = torch.argmax(logits, dim=-1) if params is None else sample(logits, *drawn)
-        self._settle()  # a step whose exchange gave up is discarded here
-        done = [seq.num_computed + n >= seq.sample_from for seq, n in work]
-        self.sched.update(work, [t if d else None for t, d in zip(ids.tolist(), done)])
+            # A prompt chunk of a batch-invariant rank runs through the graphs one token a row,
+            # in the graph its length picks: only its last row's logits are sampled.
+            rows = (
+                self.graphs is not None
+                and self.cfg.batch_invariant
+                and len(work) == 1
+                and 1 < work[0][1] <= self.graphs.sizes[-1]
+            )
+            step = self.sched.rows(work, per_token=rows)
+            params = self._sample_params(work)
+            if self.graphs is not None and self.graphs.fits(step):
+                logits, greedy = self.graphs.run(step, drawn), self.graphs.greedy[: len(step.ids)]
+                if params is None:
+                    ids = greedy[-1:] if rows else greedy
+                elif rows:  # a prompt chunk: only its last row draws, once a prompt
+                    ids = sample(logits[-1:], *params.on(self.device))
+                else:  # in the sampling graph of the decode graph's size
+                    ids = self.graphs.sample(params)
+            else:
+                sampling = params.on(self.device) if params is not None else None  # copied in before the forward
+                logits = self.model(step.on(self.device, drawn), self.kv)
+                ids = torch.argmax(logits, dim=-1) if params is None else sample(logits, *sampling)
+        self._turn ^= 1
+        host = self._host[self._turn]
+        if ids is not None:
+            host[: len(ids)].copy_(ids, non_blocking=True)
+        host[-2:].copy_(self.model.ep.counters, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = self._done[self._turn]
+            done.record()
+        return Launched(work, self.sched.advance(work), ids, host, done)
+
+    def _complete(self) -> None:
+        """Wait for the step in flight, then give its sequences their tokens; if its exchange
+        gave up, its sequences do not advance (EPError, for the loop)."""
+        step, self._launched = self._launched, None
+        if step is None:
+            return
+        try:
+            self._settle(step)
+        except EPError:
+            self.sched.retract(step.work, step.positions)
+            raise
+        self.sched.update(step.work, step.positions, step.host[: len(step.work)].tolist())
+
+    def _abandon(self, step: Launched) -> None:
+        """Drop a step queued behind one whose exchange gave up: its device waits are aborted
+        (the next epoch's reset clears that), and its sequences do not advance."""
+        if self.model.ep.windows is not None:  # its waits for the failed peers would time out again
+            self.model.ep.windows.declare_gone()
+        if step.done is not None:
+            while not step.done.query():
+                time.sleep(0.0002)
+        self.sched.retract(step.work, step.positions)
 
     def _sample_params(self, work: list[tuple[Sequence, int]]) -> SampleParams | None:
         """The batch's sampling parameters, for one batched draw after the forward (rows of a

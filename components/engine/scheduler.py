@@ -27,23 +27,20 @@ class Sequence:
     emit: Callable[[TokenOutput], None]
     tokens: list[int]
     slot: int = -1
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache, or written by a step queued
     seed: int = 0  # keys the sampling noise with the position (sampler.gumbel_noise); < 2**63
     generated: list[int] = field(default_factory=list)
     replay_diverged: bool = False
+    # Tokens drawn for it by steps still on the device (Scheduler.advance), not yet read back
+    # (Scheduler.update), and the row of the latest such step that drew the last of them: a step
+    # queued meanwhile reads that token on the device (StepRows.src).
+    pending: int = 0
+    pending_row: int = -1
 
     @property
     def sample_from(self) -> int:
         """Context length from which each step samples: the end of the original prompt."""
         return len(self.req.prompt) - self.req.replay
-
-    @property
-    def step_tokens(self) -> int:
-        """Most tokens the next step may compute: the rest of the original prompt (prefill),
-        then one (decode, replayed tokens included)."""
-        if self.num_computed < self.sample_from:
-            return self.sample_from - self.num_computed
-        return min(1, len(self.tokens) - self.num_computed)
 
 
 class Scheduler:
@@ -67,12 +64,25 @@ class Scheduler:
         return self.max_seqs - len(self.free_slots)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step has anything to compute: not when every running sequence's last
+        token is being drawn by the step in flight."""
+        return bool(self.waiting) or any(self.step_tokens(s) for s in self.running)
 
     def cancel(self, request_id: str) -> None:
         for seq in [*self.waiting, *self.running]:
             if seq.req.request_id == request_id:
                 self._finish(seq, "cancelled")
+
+    def step_tokens(self, seq: Sequence) -> int:
+        """Most tokens the next step may compute for `seq`: the rest of the original prompt
+        (prefill), then one (decode, replayed tokens included); none once the token a step in
+        flight draws for it is its last."""
+        if seq.num_computed < seq.sample_from:
+            return seq.sample_from - seq.num_computed
+        known = len(seq.tokens) + seq.pending
+        if len(seq.generated) + seq.pending >= seq.req.max_tokens or known >= self.max_len:
+            return 0
+        return min(1, known - seq.num_computed)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         while self.waiting and self.free_slots:
@@ -82,8 +92,8 @@ class Scheduler:
         if self.invariant:
             return self._schedule_invariant()
         work, budget = [], self.budget
-        for seq in sorted(self.running, key=lambda s: s.step_tokens > 1):  # decodes first
-            n = min(seq.step_tokens, budget)
+        for seq in sorted(self.running, key=lambda s: self.step_tokens(s) > 1):  # decodes first
+            n = min(self.step_tokens(seq), budget)
             if n > 0:
                 work.append((seq, n))
                 budget -= n
@@ -91,7 +101,7 @@ class Scheduler:
 
     def _schedule_invariant(self) -> list[tuple[Sequence, int]]:
         prefills = [s for s in self.running if s.num_computed < s.sample_from]
-        decodes = [(s, 1) for s in self.running if s.num_computed >= s.sample_from and s.step_tokens]
+        decodes = [(s, 1) for s in self.running if s.num_computed >= s.sample_from and self.step_tokens(s)]
         self._prefill_turn = bool(prefills) and (not decodes or not self._prefill_turn)
         if self._prefill_turn:
             seq = prefills[0]  # admission order: the oldest prompt first
@@ -101,28 +111,56 @@ class Scheduler:
 
     def rows(self, work: list[tuple[Sequence, int]], per_token: bool = False) -> StepRows:
         """`per_token` (one prompt's chunk): each token a row of its own, its context ending at
-        itself, so the chunk runs through the decode graphs with causal attention by row length."""
-        ids, pos, tslots, last, ctx = [], [], [], [], []
+        itself, so the chunk runs through the decode graphs with causal attention by row length.
+        A decode whose token the step in flight is still drawing reads it there (`src`)."""
+        ids, src, pos, tslots, last, ctx = [], [], [], [], [], []
         for seq, n in work:
             start = seq.num_computed
-            ids += seq.tokens[start : start + n]
+            known = seq.tokens[start : start + n]
+            ids += known
+            src += [-1] * len(known)
+            if len(known) < n:
+                assert n - len(known) == 1 == seq.pending, (seq.req.request_id, n, len(known), seq.pending)
+                ids.append(0)
+                src.append(seq.pending_row)
             pos += range(start, start + n)
             tslots += [seq.slot] * n
             last.append(len(ids) - 1)
             ctx.append(start + n)
         if per_token:
-            return StepRows(ids, pos, tslots, tslots, [p + 1 for p in pos], list(range(len(ids))), [1] * len(ids))
-        return StepRows(ids, pos, tslots, [s.slot for s, _ in work], ctx, last, [n for _, n in work])
+            return StepRows(ids, pos, tslots, tslots, [p + 1 for p in pos], list(range(len(ids))), [1] * len(ids), src)
+        return StepRows(ids, pos, tslots, [s.slot for s, _ in work], ctx, last, [n for _, n in work], src)
 
-    def update(self, work: list[tuple[Sequence, int]], next_tokens: list[int | None]) -> None:
-        """Advance sequences after a step; `next_tokens[i]` is the token sampled after the
-        sequence's cached context, None for a prefill chunk that is not the last."""
-        for (seq, n), tok in zip(work, next_tokens):
+    def advance(self, work: list[tuple[Sequence, int]]) -> list[int]:
+        """Once the step of `work` is queued: its tokens count as computed, and where it draws a
+        sequence's next token, that token is pending until `update`. Returns, for each row, the
+        index in its sequence of the token it draws (-1: a prompt chunk that is not the last)."""
+        positions = []
+        for i, (seq, n) in enumerate(work):
             seq.num_computed += n
-            if tok is None or seq.slot < 0:
+            pos = seq.num_computed if seq.num_computed >= seq.sample_from else -1
+            if pos >= len(seq.tokens):
+                seq.pending, seq.pending_row = seq.pending + 1, i
+            positions.append(pos)
+        return positions
+
+    def retract(self, work: list[tuple[Sequence, int]], positions: list[int]) -> None:
+        """Undo `advance` for a step whose results are discarded (its exchange gave up)."""
+        for (seq, n), pos in zip(work, positions):
+            seq.num_computed -= n
+            if pos >= len(seq.tokens):
+                seq.pending -= 1
+                if not seq.pending:
+                    seq.pending_row = -1
+
+    def update(self, work: list[tuple[Sequence, int]], positions: list[int], next_tokens: list[int]) -> None:
+        """After the step of `work` is done: the token each row drew, at the position `advance`
+        gave it (-1: none). A sequence finished or cancelled meanwhile takes nothing."""
+        for (seq, _), pos, tok in zip(work, positions, next_tokens):
+            if pos < 0 or seq.slot < 0:
                 continue
-            if seq.num_computed < len(seq.tokens):  # a replayed token: already streamed
-                want = seq.tokens[seq.num_computed]
+            if pos < len(seq.tokens):  # a replayed token: already streamed
+                want = seq.tokens[pos]
                 if tok != want and not seq.replay_diverged:
                     seq.replay_diverged = True
                     self.replays_diverged += 1
@@ -132,9 +170,12 @@ class Scheduler:
                         seq.req.request_id,
                         tok,
                         want,
-                        seq.num_computed,
+                        pos,
                     )
                 continue
+            seq.pending -= 1
+            if not seq.pending:
+                seq.pending_row = -1
             seq.tokens.append(tok)
             seq.generated.append(tok)
             reason = self._stop_reason(seq, tok)
