@@ -466,9 +466,16 @@ class EngineRank:
                 self._step(has_work)
             except EPError as e:
                 # The step did not complete: its sequences did not advance, and it runs again once
-                # the router installed a topology without the failed peers (a new epoch).
+                # the router installed a topology without the failed peers (a new epoch). A step
+                # still in flight (the header's collective failed) completes first, or is retracted
+                # if its own exchange gave up too: nothing stays queued through the pause.
+                failed = set(e.peers)
+                try:
+                    self._complete()
+                except EPError as also:
+                    failed.update(also.peers)
                 log.error("rank %d: EP collective failed, pausing until the router acts: %s", self.cfg.rank, e)
-                self.ep_failed_peers = sorted({*self.ep_failed_peers, *e.peers})
+                self.ep_failed_peers = sorted({*self.ep_failed_peers, *failed})
                 self._enter_pause()
             except Exception as e:
                 if self.on_fatal is None:
