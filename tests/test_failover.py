@@ -179,11 +179,21 @@ def scale_up_with_rank_1_killed(
     return ops, traffic
 
 
+def story(server: Server, ops: list[dict]) -> str:
+    """What a failed check needs to tell which way a race went: each operation's record, and
+    the router's and ranks' lines about it."""
+    keys = ("id", "kind", "phase", "from_size", "to_size", "joiners", "leaving", "masked", "error")
+    ids = [f"[op {op['id']}]" for op in ops]
+    lines = [ln for ln in server.output.splitlines() if any(i in ln for i in ids)]
+    return "\n".join([*(str({k: op.get(k) for k in keys}) for op in ops), *lines[-200:]])
+
+
 def test_a_serving_rank_killed_during_a_scale_up_is_failed_over_first(server, reference):
     """Rank 1 dies while a scale-up 3 -> 4's joiner warms up: the scale-up gives way at once
     (aborted, its joiner gone), the failover masks rank 1 out, and then the scale-up runs again,
     which also replaces rank 1. Nothing is lost, every token is right, no wedge."""
     ops, traffic = scale_up_with_rank_1_killed(server, "warmup", 5, operations=3)
+    assert len(ops) == 3, story(server, ops)
     up, failover, again = ops
     assert (up["kind"], up["phase"], up["to_size"], up["masked"]) == ("up", "aborted", 4, []), up
     assert "rank 1 " in up["error"], up["error"]
@@ -231,7 +241,7 @@ def test_a_serving_rank_killed_inside_a_commit_is_masked_out_by_the_rollback(ser
     timed_out, abandoned = "timed out after", "ranks [1] declared gone"
     seen_timeouts, seen_abandoned = (server.output.count(s) for s in (timed_out, abandoned))
     ops, traffic = scale_up_with_rank_1_killed(server, "resume", 8, operations=2)
-    assert len(ops) == 2, ops
+    assert len(ops) == 2, story(server, ops)
     up, again = ops
     assert (up["kind"], up["phase"], up["masked"]) == ("up", "rolled_back", [1]), up
     # Whichever sees it first (its provider's process watch or the router's status round), the
