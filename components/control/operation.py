@@ -63,6 +63,9 @@ from components.protocol.transfer import (
 
 log = logging.getLogger(__name__)
 
+# How long a call that failed in transport waits to see whether its rank's process is exiting.
+DEATH_GRACE_S = 1.0
+
 
 class Phase(enum.Enum):
     QUEUED = "queued"
@@ -215,22 +218,35 @@ class Operation:
         `preempt`) a serving rank fails, unless this operation absorbs that."""
         timeout = timeout or self.cfg.prepare_timeout_s
 
+        def check(r) -> None:
+            failing = self.failing_serving() if preempt and not (self.undoing or self.absorbs) else []
+            if failing:
+                raise self.give_way(failing)
+            if self.provider.alive(r) is False or self.port.failed(r):
+                raise ScaleError(f"rank {r} died during {self.phase.value}")
+
         async def one(r):
             # Every command carries the operation's id, for the rank's log lines about it.
             task = asyncio.ensure_future(self.port.send(r, msgspec.structs.replace(make(r), op=self.id)))
             deadline = time.monotonic() + timeout
             while not task.done():
-                failing = self.failing_serving() if preempt and not (self.undoing or self.absorbs) else []
-                if failing:
+                try:
+                    check(r)
+                except ScaleError:
                     task.cancel()
-                    raise self.give_way(failing)
-                if self.provider.alive(r) is False or self.port.failed(r):
-                    task.cancel()
-                    raise ScaleError(f"rank {r} died during {self.phase.value}")
+                    raise
                 if time.monotonic() > deadline:
                     task.cancel()
                     raise ScaleError(f"rank {r} did not answer {type(make(r)).__name__} within {timeout:.0f} s")
                 await asyncio.wait({task}, timeout=0.05)
+            if task.exception() is not None:
+                # A rank killed mid-call ends its stream before its process is seen gone (it takes
+                # a moment to exit): wait for that, so the failure is that rank's failing (the
+                # failover's, or a rollback that masks it out), not this operation's own.
+                grace = time.monotonic() + DEATH_GRACE_S
+                while time.monotonic() < grace:
+                    check(r)
+                    await asyncio.sleep(0.05)
             return task.result()
 
         return await asyncio.gather(*(one(r) for r in ranks))
