@@ -467,8 +467,9 @@ class EngineRank:
             except EPError as e:
                 # The step did not complete: its sequences did not advance, and it runs again once
                 # the router installed a topology without the failed peers (a new epoch). A step
-                # still in flight (the header's collective failed) completes first, or is retracted
-                # if its own exchange gave up too: nothing stays queued through the pause.
+                # still in flight (a later collective failed: the header's, or a host-driven
+                # exchange of the step behind it) completes first, or is retracted if its own
+                # exchange gave up too: nothing stays queued through the pause.
                 failed = set(e.peers)
                 try:
                     self._complete()
@@ -494,11 +495,7 @@ class EngineRank:
         polls an event rather than blocking in a CUDA call that holds the GIL: a wait kernel may
         spin for a slow peer for seconds, and the worker's status and Pause(gone) handlers must
         answer meanwhile."""
-        if step.done is not None:
-            spins = 0
-            while not step.done.query():
-                spins += 1
-                time.sleep(0 if spins < 1000 else 0.0002)
+        self._wait(step)
         ep = self.model.ep
         rows_computed, misrouted = step.host[-2:].tolist()
         if ep.windows is not None:
@@ -528,11 +525,7 @@ class EngineRank:
         if not work and self._launched is not None:  # what follows may depend on how it ends
             self._complete()
             work = self.sched.schedule()
-        try:
-            step = self._launch(work)
-        except EPError:  # a host-driven exchange: the step before finished before this one began
-            self._complete()
-            raise
+        step = self._launch(work)  # a host-driven exchange's EPError: the loop completes the step before
         try:
             self._complete()
         except EPError:
@@ -599,10 +592,16 @@ class EngineRank:
         (the next epoch's reset clears that), and its sequences do not advance."""
         if self.model.ep.windows is not None:  # its waits for the failed peers would time out again
             self.model.ep.windows.declare_gone()
-        if step.done is not None:
-            while not step.done.query():
-                time.sleep(0.0002)
+        self._wait(step)
         self.sched.retract(step.work, step.positions)
+
+    @staticmethod
+    def _wait(step: Launched) -> None:
+        if step.done is not None:
+            spins = 0
+            while not step.done.query():
+                spins += 1
+                time.sleep(0 if spins < 1000 else 0.0002)
 
     def _sample_params(self, work: list[tuple[Sequence, int]]) -> SampleParams | None:
         """The batch's sampling parameters, for one batched draw after the forward (rows of a

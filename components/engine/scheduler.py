@@ -37,6 +37,12 @@ class Sequence:
     pending: int = 0
     pending_row: int = -1
 
+    def read_pending(self) -> None:
+        """One pending token read back, or retracted with its step."""
+        self.pending -= 1
+        if not self.pending:
+            self.pending_row = -1
+
     @property
     def sample_from(self) -> int:
         """Context length from which each step samples: the end of the original prompt."""
@@ -149,9 +155,7 @@ class Scheduler:
         for (seq, n), pos in zip(work, positions):
             seq.num_computed -= n
             if pos >= len(seq.tokens):
-                seq.pending -= 1
-                if not seq.pending:
-                    seq.pending_row = -1
+                seq.read_pending()
 
     def update(self, work: list[tuple[Sequence, int]], positions: list[int], next_tokens: list[int]) -> None:
         """After the step of `work` is done: the token each row drew, at the position `advance`
@@ -173,9 +177,7 @@ class Scheduler:
                         pos,
                     )
                 continue
-            seq.pending -= 1
-            if not seq.pending:
-                seq.pending_row = -1
+            seq.read_pending()
             seq.tokens.append(tok)
             seq.generated.append(tok)
             reason = self._stop_reason(seq, tok)
