@@ -21,7 +21,7 @@ import logging
 import numpy as np
 import torch
 
-from components.engine.layers import ForwardBatch, KVCache, StepRows
+from components.engine.layers import ForwardBatch, KVCache, StepRows, with_pending
 from components.engine.moe import Dispatch
 from components.engine.sampler import SampleParams, sample
 
@@ -120,8 +120,7 @@ class DecodeGraphs:
                 # next (one kernel on CUDA), and the block takes that normed input as it is.
                 if k == 0:
                     torch.ne(self.real[:b], 0, out=self.valid[:b])
-                    src = self.src[:b]
-                    ids = torch.where(src >= 0, self.drawn[src.clamp(min=0)], batch.input_ids)
+                    ids = with_pending(batch.input_ids, self.src[:b], self.drawn)
                     x, x_normed = m.model.embed_tokens(ids), None  # block 0 norms its own
                 else:
                     moe = self.moes[k - 1]

@@ -11,6 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def with_pending(ids: torch.Tensor, src: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """`ids`, each row with a `src` >= 0 taking `drawn[src]` instead: the token the step before
+    drew for it, not yet read back when this step was queued (StepRows.src)."""
+    return torch.where(src >= 0, drawn[src.clamp(min=0)], ids)
+
+
 class StepRows(NamedTuple):
     """One step's rows as the scheduler picks them, on the host. Sequence i contributes
     `q_lens[i]` tokens; the decode graphs take these lists as they are (one copy into their
@@ -43,8 +49,7 @@ class StepRows(NamedTuple):
 
         ids = t(self.ids)
         if self.reads_pending:
-            src = t(self.src)
-            ids = torch.where(src >= 0, drawn[src.clamp(min=0)], ids)
+            ids = with_pending(ids, t(self.src), drawn)
         return ForwardBatch(
             input_ids=ids,
             positions=t(self.positions),
