@@ -1,10 +1,11 @@
-"""Join time: a joiner restored from a snapshot's CRIU image beside a cold joiner, by phase.
+"""Join time: a joiner restored from a snapshot's CRIU image beside a cold and a parked joiner, by phase.
 
 Bakes a criu-tier snapshot of the deployment's worker (`snapshot-bake bake`, timed), serves the
 graph (`dynamo serve graphs/elastic:Frontend`, options after `--`) at one rank with an empty
 snapshot store and scales 1 -> 2 (rank 1 starts cold), then serves it again with the snapshot in
 the store, as a user would (the router chooses it and verifies its checksums as it starts), and
-scales 1 -> 2 (rank 1 is restored from it). Per join: the operation's phases from the router's record,
+scales 1 -> 2 (rank 1 is restored from it), 2 -> 1 (rank 1 parks: on CUDA, its state
+checkpointed in place) and 1 -> 2 (rank 1 unparks). Per join: the operation's phases from the router's record,
 "starting" being the joiner's process start (or restore) until it registered, and its total,
 start to serving (routable). After each join, greedy completions must equal the first ones seen.
 `--device cuda`: the snapshot is baked on the GPU (VMM arena released, CUDA-checkpointed) and the
@@ -35,7 +36,7 @@ PHASES = ["starting", "loading", "warming", "connecting", "committing"]
 # What a joiner's "starting" and "loading" are made of, from the graph's log.
 STEPS = {
     "criu_restore": r"Worker\.{rank}: criu restore took ([0-9.]+) s",
-    "cuda_restore": r"Worker\.{rank}: CUDA state restored in ([0-9.]+) s",
+    "cuda_restore": r"Worker\.{rank}:? CUDA state restored in ([0-9.]+) s",
     "cuda_unlock": r"Worker\.{rank}: CUDA state restored in [0-9.]+ s, unlocked in ([0-9.]+) s",
     "arena_remap": r"rank {rank}: VMM arena remapped in ([0-9.]+) s",
     "ep_agent": r"ep-{rank}-\w+: NIXL agent up in ([0-9.]+)s",
@@ -55,13 +56,14 @@ TIMELINE = {
 STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
-def join_steps(log: str, rank: int) -> dict[str, float]:
-    """Seconds of each step of STEPS the log shows for `rank` (the last of each)."""
+def join_steps(log: str, rank: int, op: str) -> dict[str, float]:
+    """Seconds of each step of STEPS the log shows for `rank` from operation `op`'s start on."""
+    start = log.find(f"[op {op}] queued -> ")
     out = {}
     for step, pattern in STEPS.items():
-        found = re.findall(pattern.format(rank=rank), log)
+        found = re.search(pattern.format(rank=rank), log[max(start, 0) :])
         if found:
-            out[step] = float(found[-1])
+            out[step] = float(found.group(1))
     return out
 
 
@@ -89,8 +91,9 @@ def timeline(log: str, rank: int, op: str) -> dict[str, float]:
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(4)]
 
 
-def join(opts: list[str], max_tokens: int, ready: str) -> dict:
-    """Serve one rank, wait for `ready` in the log, scale 1 -> 2: the join's row."""
+def join(opts: list[str], max_tokens: int, ready: str, park: bool = False) -> list[dict]:
+    """Serve one rank, wait for `ready` in the log, scale 1 -> 2: the join's row. With `park`,
+    then 2 -> 1 (rank 1 parks) and 1 -> 2 again: a parked joiner's row too."""
     srv = Server(opts, boot_timeout_s=600, model=None)
     try:
         deadline = time.monotonic() + 600
@@ -102,19 +105,31 @@ def join(opts: list[str], max_tokens: int, ready: str) -> dict:
                 raise SystemExit(f"no {ready!r} in the log within 600 s:\n{srv.tail(40)}")
             time.sleep(0.1)
         first = [srv.stream_text(q, max_tokens) for q in PROMPTS]
-        op = scale(srv, 2)
-        if op["phase"] != "done":
-            raise SystemExit(f"scale to 2 failed: {op}")
-        return {
-            "joined_from": op["joined_from"]["1"],
-            "scale": "1 -> 2",
-            "phases": {k: op["phases"].get(k, 0.0) for k in PHASES},
-            "total_s": op["total_s"],
-            "steps": join_steps(srv.output, 1),
-            "timeline": timeline(srv.output, 1, op["id"]),
-            "snapshot_refused": op["snapshot_refused"],
-            "greedy_equal": [srv.stream_text(q, max_tokens) for q in PROMPTS] == first,
-        }
+
+        def to(n: int) -> dict:
+            op = scale(srv, n)
+            if op["phase"] != "done":
+                raise SystemExit(f"scale to {n} failed: {op}")
+            return op
+
+        rows = []
+        for _ in range(2 if park else 1):
+            op = to(2)
+            rows.append(
+                {
+                    "joined_from": op["joined_from"]["1"],
+                    "scale": "1 -> 2",
+                    "phases": {k: op["phases"].get(k, 0.0) for k in PHASES},
+                    "total_s": op["total_s"],
+                    "steps": join_steps(srv.output, 1, op["id"]),
+                    "timeline": timeline(srv.output, 1, op["id"]),
+                    "snapshot_refused": op["snapshot_refused"],
+                    "greedy_equal": [srv.stream_text(q, max_tokens) for q in PROMPTS] == first,
+                }
+            )
+            if park and len(rows) == 1 and to(1)["parked"] != [1]:
+                raise SystemExit("rank 1 did not park on 2 -> 1 (Router.park_leaving=false?)")
+        return rows
     finally:
         srv.stop()
 
@@ -177,11 +192,12 @@ def main() -> None:
     out = args.out or Path("bench/results/join_cuda.json" if args.device == "cuda" else "bench/results/join.json")
     rows = []
     try:
-        rows.append(join(opts, args.max_tokens, ready=""))  # an empty store: a cold joiner
+        rows += join(opts, args.max_tokens, ready="")  # an empty store: a cold joiner
         snap.rename(root / snap.name)
         # As a user serves it: the snapshot in the store from the start, chosen (and its
         # checksums verified) by the router as it starts, before any scale-up.
-        rows.append(join(opts, args.max_tokens, ready="joiners will be restored from snapshot"))
+        # Then 2 -> 1 parks rank 1, and 1 -> 2 restores it: the parked joiner.
+        rows += join(opts, args.max_tokens, ready="joiners will be restored from snapshot", park=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result = {

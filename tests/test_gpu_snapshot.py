@@ -86,7 +86,7 @@ def test_a_joiner_restored_from_a_cuda_snapshot_serves_the_reference(tmp_path, m
         "image_memory": warm.get("image_memory"),  # what fills the image, before and after the CUDA checkpoint
         "phases_s": up.get("phases"),
         "total_s": up.get("total_s"),
-        "restore_s": join_steps(log, 1),
+        "restore_s": join_steps(log, 1, up["id"]),
     }
     print("\nCUDA snapshot join:", json.dumps(timings, indent=2))
     if os.environ.get("OUT"):
