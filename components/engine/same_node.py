@@ -153,12 +153,6 @@ class SameNodeImports:
                 )
         return self._opened[key][0]
 
-    def detach(self) -> SameNodeImports:
-        """What is open now, handed to a new holder that closes it; this one starts empty."""
-        other = SameNodeImports(self.name, self.device, self.node)
-        other._opened, self._opened = self._opened, {}
-        return other
-
     def close(self, agent: str | None = None) -> None:
         """Close what was opened from `agent` (every source if None)."""
         for key in [k for k in self._opened if agent is None or k[0] == agent]:

@@ -181,8 +181,6 @@ class WeightStore:
         self.node = node_id()
         self._export = SameNodeExport(self.name, self.device, [storages[b] for b, _ in self._regions], arena)
         self._imports = SameNodeImports(self.name, self.device, self.node)
-        self._unmapping: threading.Thread | None = None  # closing what the last pull opened
-        self._unmap_seconds = 0.0
         # Distinct storages never overlap, but memory handed in from outside torch could: refuse
         # rather than let UCX see overlapping registrations.
         for (a, na), (b, _) in zip(self._regions, self._regions[1:]):
@@ -389,7 +387,7 @@ class WeightStore:
                 # Close what was opened: a process holding another's CUDA IPC memory cannot be
                 # checkpointed and restored (the driver API refuses), and a joiner may be parked later.
                 t_closing = time.monotonic()
-                self._close_imports()
+                self._imports.close()
                 t_unmapped = time.monotonic()
             per_source = {r: sum(x.nbytes for x in xs) for r, xs in plan.items() if r not in lost}
             if local:
@@ -718,36 +716,9 @@ class WeightStore:
         if self._closed:
             raise WeightTransferError(f"rank {self.rank}: weight store is closed")
 
-    def _close_imports(self) -> None:
-        """Close what the pull opened, its copies done. Unmapping a lent arena costs about as
-        much as copying it (7 ms for 8.6 GB on an H200), so it runs on a thread of its own;
-        `close` waits for it (a process still mapping another's memory cannot be
-        CUDA-checkpointed, and a rank closes its store before it parks)."""
-        self.wait_unmapped()
-        opened = self._imports.detach()
-
-        def unmap():
-            t = time.monotonic()
-            try:
-                opened.close()
-            except Exception:
-                log.exception("%s: closing peers' memory after a pull failed", self.name)
-            self._unmap_seconds = time.monotonic() - t
-
-        self._unmapping = threading.Thread(target=unmap, name=f"{self.name}-unmap", daemon=True)
-        self._unmapping.start()
-
-    def wait_unmapped(self) -> float:
-        """Wait until the last pull's peers' memory is closed; the seconds closing it took."""
-        if self._unmapping is not None:
-            self._unmapping.join()
-            self._unmapping = None
-        return self._unmap_seconds
-
     def close(self) -> None:
         if self._closed:
             return
-        self.wait_unmapped()
         self.stop_serving()
         self._export.close()
         self._progress()

@@ -86,8 +86,7 @@ class PullStats(msgspec.Struct):
     transfer_seconds: float = 0.0  # first post to last completion
     verify_seconds: float = 0.0  # checksums still running after the last transfer (the rest overlapped it)
     ipc_bytes: int = 0  # of `bytes`, copied through CUDA IPC from same-node peers
-    # Of transfer_seconds, mapping same-node peers' memory (unmapping it runs after the pull)
-    map_seconds: float = 0.0
+    map_seconds: float = 0.0  # of transfer_seconds, mapping and unmapping same-node peers' memory
     local_bytes: int = 0  # of `bytes`, copied from the puller's own tensors (its rank was a source)
     lost: list[SourceLoss] = []  # sources given up on, when the puller may lose some (pull(partial=True))
 
