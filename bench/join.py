@@ -4,10 +4,11 @@ Bakes a criu-tier snapshot of the deployment's worker (`snapshot-bake bake`, tim
 graph (`dynamo serve graphs/elastic:Frontend`, options after `--`) at one rank with an empty
 snapshot store and scales 1 -> 2 (rank 1 starts cold), then serves it again with the snapshot in
 the store, as a user would (the router chooses it and verifies its checksums as it starts), and
-scales 1 -> 2 (rank 1 is restored from it), 2 -> 1 (rank 1 parks: on CUDA, its state
-checkpointed in place) and 1 -> 2 (rank 1 unparks). Per join: the operation's phases from the router's record,
-"starting" being the joiner's process start (or restore) until it registered, and its total,
-start to serving (routable). After each join, greedy completions must equal the first ones seen.
+scales 1 -> 2 (rank 1 is restored from it), 2 -> 1 (rank 1 parks: a warm process, or on CUDA
+with `-- --Router.checkpoint_parked=true` one whose CUDA state is checkpointed) and 1 -> 2 (rank 1
+unparks). Per join: the operation's phases from the router's record, "starting" being the
+joiner's process start (or restore) until it registered, and its total, start to serving
+(routable). After each join, greedy completions must equal the first ones seen.
 `--device cuda`: the snapshot is baked on the GPU (VMM arena released, CUDA-checkpointed) and the
 deployment runs there (Worker.vmm on); each join's steps (CRIU restore, CUDA restore and unlock,
 arena remap, weight pull) are read from the graph's log. Each join also has a timeline from the log's
