@@ -92,18 +92,18 @@ def timeline(log: str, rank: int, op: str) -> dict[str, float]:
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(4)]
 
 
-def join(opts: list[str], max_tokens: int, ready: str, park: bool = False) -> list[dict]:
-    """Serve one rank, wait for `ready` in the log, scale 1 -> 2: the join's row. With `park`,
-    then 2 -> 1 (rank 1 parks) and 1 -> 2 again: a parked joiner's row too."""
+def join(opts: list[str], max_tokens: int, restored: bool, park: bool = False) -> list[dict]:
+    """Serve one rank, scale 1 -> 2: the join's row (`restored`: once the router has chosen the
+    snapshot to restore joiners from). With `park`, then 2 -> 1 (rank 1 parks) and 1 -> 2 again:
+    a parked joiner's row too."""
     srv = Server(opts, boot_timeout_s=600, model=None)
     try:
         deadline = time.monotonic() + 600
-        while ready not in srv.output:
-            refused = re.search(r"no snapshot to restore joiners from yet \((.*)\)", srv.output)
-            if ready and refused:  # a snapshot baked for another configuration: say so, do not wait
-                raise SystemExit(f"the router will not restore joiners from the baked snapshot: {refused.group(1)}")
+        while restored and (snap := srv.topology()["snapshot"])["state"] != "chosen":
+            if snap["state"] == "none":  # a snapshot baked for another configuration: say so, do not wait
+                raise SystemExit(f"the router will not restore joiners from the baked snapshot: {snap['why']}")
             if time.monotonic() > deadline:
-                raise SystemExit(f"no {ready!r} in the log within 600 s:\n{srv.tail(40)}")
+                raise SystemExit(f"the router did not choose a snapshot within 600 s:\n{srv.tail(40)}")
             time.sleep(0.1)
         first = [srv.stream_text(q, max_tokens) for q in PROMPTS]
 
@@ -193,12 +193,12 @@ def main() -> None:
     out = args.out or Path("bench/results/join_cuda.json" if args.device == "cuda" else "bench/results/join.json")
     rows = []
     try:
-        rows += join(opts, args.max_tokens, ready="")  # an empty store: a cold joiner
+        rows += join(opts, args.max_tokens, restored=False)  # an empty store: a cold joiner
         snap.rename(root / snap.name)
         # As a user serves it: the snapshot in the store from the start, chosen (and its
         # checksums verified) by the router as it starts, before any scale-up.
         # Then 2 -> 1 parks rank 1, and 1 -> 2 restores it: the parked joiner.
-        rows += join(opts, args.max_tokens, ready="joiners will be restored from snapshot", park=True)
+        rows += join(opts, args.max_tokens, restored=True, park=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result = {

@@ -166,6 +166,7 @@ def test_commit_timeout_rolls_back_then_a_later_scale_succeeds(server, reference
     assert traffic.errors == []
     assert all(toks == reference[p] for p, toks, _, _ in traffic.results)
     assert server.topology()["active"] == [0, 1, 2]
+    assert server.topology()["snapshot"] is None  # no Worker.snapshot_root: nothing to restore from
     assert scale(server, 2)["phase"] == "done"
 
 

@@ -65,14 +65,28 @@ def ns_pid(pid: int) -> int:
     return int(line.split()[-1])
 
 
+def chosen_snapshot(server: Server) -> dict:
+    """/topology's `snapshot`, once the router's choice at its start is made."""
+    deadline = time.monotonic() + 60
+    while (snap := server.topology()["snapshot"])["state"] == "choosing" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return snap
+
+
 def test_a_tampered_image_is_refused_and_the_joiner_cold_starts(server, snapshots, reference):
     _, _, pages = snapshots
+    tampered = f"snapshot {pages.parents[1]}: {IMAGE_DIR}/{pages.name}: checksum mismatch (tampered or corrupt)"
+    # Said before any scale-up, where a user looks: joiners will start cold, and why.
+    before = chosen_snapshot(server)
+    assert before["state"] == "none" and before["decided_by"] == "startup", before
+    assert tampered in before["why"] and "model_identity" in before["why"]
     with Traffic(server, PROMPTS, MAX_TOKENS, clients=2) as traffic:
         op = scale(server, 2)
     assert op["phase"] == "done" and op["joined_from"] == {"1": "cold"}, op
     why = op["snapshot_refused"]["1"]
-    assert f"snapshot {pages.parents[1]}: {IMAGE_DIR}/{pages.name}: checksum mismatch (tampered or corrupt)" in why
+    assert tampered in why
     assert "model_identity" in why  # the other model's, refused by field
+    assert server.topology()["snapshot"] == {**before, "decided_by": op["id"]}
     assert traffic.errors == []
     assert all(text == reference[p] for p, text, _, _ in traffic.results)
 
@@ -93,6 +107,10 @@ def test_two_joiners_restored_from_one_image_serve_the_reference(server, snapsho
         again = scale(server, 4)
     joiners = range(up["from_size"], 4)  # 2 and 3, after the test above
     assert up["joined_from"] == {str(r): "snapshot" for r in joiners} and up["snapshot_refused"] == {}, up
+    # The good image, chosen at the scale-up that started processes (a parked rank's return starts none).
+    snap = server.topology()["snapshot"]
+    assert (snap["state"], snap["path"], snap["decided_by"]) == ("chosen", str(root / "good"), up["id"]), snap
+    assert snap["snapshot_id"] and snap["why"] == ""
     assert down["phase"] == "done" and down["parked"] == [3]
     assert again["phase"] == "done" and again["joined_from"] == {"3": "parked"}
     ranks = {r["rank"]: r for r in server.topology()["ranks"]}

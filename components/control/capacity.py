@@ -36,6 +36,7 @@ from components.graph.component import (
 )
 from components.graph.spawn import Child, adopt, spawn
 from components.protocol.config import WorkerConfig
+from components.protocol.topology import SnapshotChoice, SnapshotState
 from components.worker.component import FAULT_ENV, OP_ENV, Worker
 
 log = logging.getLogger("components.control.capacity")
@@ -45,6 +46,8 @@ class CapacityProvider(Protocol):
     # Why each new rank of the last acquire() was not restored from a snapshot (none fitted, one
     # failed its checksums, its restore failed), for the operation's record.
     refused: dict[int, str]
+    # What new ranks are restored from, as last chosen; None where this provider restores none.
+    snapshot: SnapshotChoice | None
 
     async def acquire(self, ranks: list[int], op: str, fault: str = "") -> dict[int, str]:
         """Bring up a joining worker for each rank: restore a parked one, restore a process from
@@ -102,7 +105,9 @@ class LocalProvider:
         # One choice at a time: a scale-up arriving while the startup choice hashes the images
         # waits for it and then finds the checksums cached, instead of hashing them a second time.
         self._choosing = threading.Lock()
+        self.snapshot: SnapshotChoice | None = None
         if self.wcfg.snapshot_root:
+            self.snapshot = SnapshotChoice(SnapshotState.CHOOSING, "startup")
             # Choosing a snapshot imports torch, reads the model's config and hashes every image
             # file (seconds for a CUDA image of GBs): done once now, so the first scale-up's
             # starting phase finds the imports done and the checksums cached (manifest.verify).
@@ -201,7 +206,17 @@ class LocalProvider:
         which and how long the checks took."""
         t0 = time.perf_counter()
         with self._choosing:
-            snap, why = self._choose_snapshot_now(op)
+            self.snapshot = SnapshotChoice(SnapshotState.CHOOSING, op)
+            try:
+                snap, why = self._choose_snapshot_now(op)
+            except Exception as e:
+                self.snapshot = SnapshotChoice(SnapshotState.NONE, op, why=f"choosing a snapshot failed: {e}")
+                raise
+            self.snapshot = (
+                SnapshotChoice(SnapshotState.NONE, op, why=why)
+                if snap is None
+                else SnapshotChoice(SnapshotState.CHOSEN, op, path=snap.path, snapshot_id=snap.manifest.snapshot_id)
+            )
         took = time.perf_counter() - t0
         if op == "startup":  # said before any operation, so a user knows what joiners will get
             if snap is None:

@@ -54,6 +54,7 @@ class KubernetesProvider:
         self.poll_s, self.release_timeout_s = poll_s, release_timeout_s
         self.held: set[int] = set()  # ranks acquired through this provider and not released
         self.refused: dict[int, str] = {}  # pods start as their image says: no snapshot chosen here
+        self.snapshot = None
         self._phase: dict[int, str] = {}
         self._session: aiohttp.ClientSession | None = None
         self._watch: asyncio.Task | None = None

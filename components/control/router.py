@@ -443,6 +443,7 @@ class RouterService:
             scaling=bool(sc and sc.busy),
             target=sc.pending.dp_size if sc and sc.pending else None,
             operation=op,
+            snapshot=sc.provider.snapshot if sc else None,
         )
 
     def collect(self):

@@ -116,6 +116,23 @@ class RankView(RankSummary, kw_only=True):
         )
 
 
+class SnapshotState(enum.StrEnum):
+    CHOOSING = "choosing"  # checking the store (checksums of every image: seconds for a CUDA one)
+    CHOSEN = "chosen"  # new ranks are restored from `path`
+    NONE = "none"  # new ranks start cold: `why`
+
+
+class SnapshotChoice(msgspec.Struct, frozen=True):
+    """What the capacity provider restores new ranks from, as it last chose: when the router
+    starts (before any scale-up, so a user knows what joiners will get) and at each scale-up."""
+
+    state: SnapshotState
+    decided_by: str  # "startup", or the operation's id
+    path: str = ""
+    snapshot_id: str = ""
+    why: str = ""  # NONE: every refused snapshot's reason, or what this machine lacks
+
+
 class Topology(msgspec.Struct):
     epoch: int
     dp_size: int
@@ -125,3 +142,4 @@ class Topology(msgspec.Struct):
     scaling: bool
     target: int | None  # the size queued behind the running operation, if any
     operation: OpRecord | None  # the running operation, or the last one
+    snapshot: SnapshotChoice | None = None  # None: no Worker.snapshot_root (or a provider that restores none)
