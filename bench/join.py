@@ -6,9 +6,11 @@ snapshot store and scales 1 -> 2 (rank 1 starts cold), then serves it again with
 the store, as a user would (the router chooses it and verifies its checksums as it starts), and
 scales 1 -> 2 (rank 1 is restored from it), 2 -> 1 (rank 1 parks: a warm process, or on CUDA
 with `-- --Router.checkpoint_parked=true` one whose CUDA state is checkpointed) and 1 -> 2 (rank 1
-unparks). Per join: the operation's phases from the router's record, "starting" being the
-joiner's process start (or restore) until it registered, and its total, start to serving
-(routable). After each join, greedy completions must equal the first ones seen.
+unparks); then once more with `Router.standby_copies=1`, where the joiner is a copy the router
+restored before the scale-up (CUDA: its CUDA state is restored in the scale-up). Per join: the
+operation's phases from the router's record, "starting" being the joiner's process start (or
+restore) until it registered, and its total, start to serving (routable). After each join,
+greedy completions must equal the first ones seen.
 `--device cuda`: the snapshot is baked on the GPU (VMM arena released, CUDA-checkpointed) and the
 deployment runs there (Worker.vmm on); each join's steps (CRIU restore, CUDA restore and unlock,
 arena remap, weight pull) are read from the graph's log. Each join also has a timeline from the log's
@@ -92,14 +94,16 @@ def timeline(log: str, rank: int, op: str) -> dict[str, float]:
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(4)]
 
 
-def join(opts: list[str], max_tokens: int, restored: bool, park: bool = False) -> list[dict]:
+def join(opts: list[str], max_tokens: int, restored: bool, park: bool = False, standby: int = 0) -> list[dict]:
     """Serve one rank, scale 1 -> 2: the join's row (`restored`: once the router has chosen the
-    snapshot to restore joiners from). With `park`, then 2 -> 1 (rank 1 parks) and 1 -> 2 again:
-    a parked joiner's row too."""
-    srv = Server(opts, boot_timeout_s=600, model=None)
+    snapshot to restore joiners from, and restored `standby` copies of it ahead). With `park`,
+    then 2 -> 1 (rank 1 parks) and 1 -> 2 again: a parked joiner's row too."""
+    srv = Server([*opts, f"--Router.standby_copies={standby}"], boot_timeout_s=600, model=None)
     try:
         deadline = time.monotonic() + 600
-        while restored and (snap := srv.topology()["snapshot"])["state"] != "chosen":
+        while restored and not (
+            (snap := srv.topology()["snapshot"])["state"] == "chosen" and snap["standby"] >= standby
+        ):
             if snap["state"] == "none":  # a snapshot baked for another configuration: say so, do not wait
                 raise SystemExit(f"the router will not restore joiners from the baked snapshot: {snap['why']}")
             if time.monotonic() > deadline:
@@ -119,6 +123,7 @@ def join(opts: list[str], max_tokens: int, restored: bool, park: bool = False) -
             rows.append(
                 {
                     "joined_from": op["joined_from"]["1"],
+                    "joiner": "standby copy" if standby and not rows else op["joined_from"]["1"],
                     "scale": "1 -> 2",
                     "phases": {k: op["phases"].get(k, 0.0) for k in PHASES},
                     "total_s": op["total_s"],
@@ -199,6 +204,8 @@ def main() -> None:
         # checksums verified) by the router as it starts, before any scale-up.
         # Then 2 -> 1 parks rank 1, and 1 -> 2 restores it: the parked joiner.
         rows += join(opts, args.max_tokens, restored=True, park=True)
+        # With Router.standby_copies=1: a copy restored before the scale-up becomes the joiner.
+        rows += join(opts, args.max_tokens, restored=True, standby=1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result = {
@@ -215,17 +222,17 @@ def main() -> None:
     print("|---|---|" + "---|" * len(PHASES) + "---|---|")
     for r in rows:
         print(
-            f"| {r['joined_from']} | {r['scale']} | "
+            f"| {r['joiner']} | {r['scale']} | "
             + " | ".join(f"{r['phases'][k]:.3f}" for k in PHASES)
             + f" | {r['total_s']:.3f} | {r['greedy_equal']} |"
         )
     for r in rows:
-        print(f"{r['joined_from']} joiner steps (s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["steps"].items()))
+        print(f"{r['joiner']} joiner steps (s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["steps"].items()))
     print("\nseconds from the operation's start:")
     print("| joined from | " + " | ".join(TIMELINE) + " |")
     print("|---|" + "---|" * len(TIMELINE))
     for r in rows:
-        print(f"| {r['joined_from']} | " + " | ".join(f"{r['timeline'].get(k, '-')}" for k in TIMELINE) + " |")
+        print(f"| {r['joiner']} | " + " | ".join(f"{r['timeline'].get(k, '-')}" for k in TIMELINE) + " |")
     print(f"wrote {out}")
 
 

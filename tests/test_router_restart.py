@@ -214,7 +214,13 @@ def restoring(server, tmp_path_factory):
     root = tmp_path_factory.mktemp("snapshots")
     bake(root / "worker", tier="criu", max_ranks=2, progress=False)
     srv = Server(
-        ["--Worker.max_ranks=2", "--Worker.dp_size=1", f"--Worker.snapshot_root={root}", "--Planner.enabled=false"]
+        [
+            "--Worker.max_ranks=2",
+            "--Worker.dp_size=1",
+            f"--Worker.snapshot_root={root}",
+            "--Planner.enabled=false",
+            "--Router.standby_copies=1",
+        ]
     )
     try:
         yield srv
@@ -222,15 +228,27 @@ def restoring(server, tmp_path_factory):
         srv.stop()
 
 
+def standby_copies(srv: Server) -> list[int]:
+    """Pids of the standby copies the routers restored, in order."""
+    return [int(p) for p in re.findall(r"standby copy pid (\d+) of snapshot .* ready", srv.output)]
+
+
 def test_a_restored_joiner_outlives_the_router_and_is_adopted(restoring, reference):
     """A joiner restored from a snapshot image is tied to the graph, not to the router that
-    restored it (as a cold joiner): the next router adopts it serving, and it ends with the graph."""
+    restored it (as a cold joiner): the next router adopts it serving, and it ends with the graph.
+    A standby copy (no rank yet) is the router's: it exits with it, and the next router restores
+    its own."""
     srv = restoring
     up = scale(srv, 2)
     assert up["phase"] == "done" and up["joined_from"] == {"1": "snapshot"}, up["snapshot_refused"]
     before = srv.topology()
     pid = {r["rank"]: r["pid"] for r in before["ranks"]}[1]
     old = router_pids(srv)[-1]
+    deadline = time.monotonic() + 60
+    while len(standby_copies(srv)) < 2 and time.monotonic() < deadline:  # the one after the scale-up's
+        time.sleep(0.1)
+    copy = standby_copies(srv)[-1]
+    assert alive(copy) and copy != pid
     with Traffic(srv, PROMPTS, MAX_TOKENS, clients=4) as traffic:
         time.sleep(1.0)
         os.kill(old, signal.SIGKILL)
@@ -250,5 +268,11 @@ def test_a_restored_joiner_outlives_the_router_and_is_adopted(restoring, referen
     assert os.readlink(f"/proc/{pid}/fd/1") == os.readlink(f"/proc/{pid}/fd/2") == "/dev/null"
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert gone_within(copy, 30)
+    deadline = time.monotonic() + 60
+    while standby_copies(srv)[-1] == copy and time.monotonic() < deadline:
+        time.sleep(0.1)
+    again = standby_copies(srv)[-1]
+    assert again != copy and alive(again)
     srv.stop()
-    assert gone_within(pid, 30)
+    assert gone_within(pid, 30) and gone_within(again, 30)

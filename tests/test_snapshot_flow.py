@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -162,3 +163,63 @@ def test_checkpointing_parked_cuda_ranks_needs_the_vmm_arena(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Router.checkpoint_parked needs --Worker.vmm=true" in r.stderr
     assert "started" not in r.stdout + r.stderr
+
+
+def test_a_standby_copy_restored_ahead_is_the_next_joiner(snapshots, reference):
+    """With Router.standby_copies=1 a copy of the chosen snapshot is restored as the router starts,
+    before any scale-up; the next scale-up makes it the joiner (no CRIU restore inside the
+    operation) and restores another; a standby copy that died is dropped and the joiner restored
+    as usual; the graph gone, so are the standby copies. (After the test above: the good image
+    is in the store.)"""
+    root, good, _ = snapshots
+    srv = Server(
+        [
+            "--Worker.max_ranks=4",
+            "--Worker.dp_size=1",
+            f"--Worker.snapshot_root={root}",
+            "--Planner.enabled=false",
+            "--Router.standby_copies=1",
+        ]
+    )
+
+    def standby(after: int = 0) -> int:
+        """The pid of the standby copy ready, restored after the log's first `after` characters."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready = re.findall(r"standby copy pid (\d+) of snapshot .* ready \(1 of 1\)", srv.output[after:])
+            if ready and srv.topology()["snapshot"]["standby"] == 1:
+                return int(ready[-1])
+            time.sleep(0.1)
+        raise AssertionError(f"no standby copy ready:\n{srv.tail(40)}")
+
+    try:
+        first = standby()
+        snap = srv.topology()["snapshot"]
+        assert (snap["state"], snap["path"], snap["standby"]) == ("chosen", str(root / "good"), 1), snap
+        with Traffic(srv, PROMPTS, MAX_TOKENS, clients=2) as traffic:
+            mark = len(srv.output)
+            up = scale(srv, 2)
+            second = standby(mark)
+            os.kill(second, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{second}").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            again = scale(srv, 3)
+        log = srv.output
+        assert up["phase"] == "done" and up["joined_from"] == {"1": "snapshot"}, up
+        assert f"[op {up['id']}] Worker.1: standby copy pid {first}, restored" in log
+        assert f"[op {up['id']}] Worker.1: criu restore took" not in log
+        assert {r["rank"]: r["pid"] for r in srv.topology()["ranks"]}[1] == first
+        # The dead copy is dropped; the joiner is restored the usual way.
+        assert again["phase"] == "done" and again["joined_from"] == {"2": "snapshot"}, again
+        assert f"standby copy pid {second} dropped" in log
+        assert f"[op {again['id']}] Worker.2: criu restore took" in log
+        assert traffic.errors == []
+        assert all(text == reference[p] for p, text, _, _ in traffic.results)
+        third = standby(log.index(f"[op {again['id']}] Worker.2: criu restore took"))
+    finally:
+        srv.stop()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{third}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{third}").exists()

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import msgspec
 
@@ -38,6 +38,9 @@ from components.graph.spawn import Child, adopt, spawn
 from components.protocol.config import WorkerConfig
 from components.protocol.topology import SnapshotChoice, SnapshotState
 from components.worker.component import FAULT_ENV, OP_ENV, Worker
+
+if TYPE_CHECKING:
+    from snapshot.criu_image import Restored
 
 log = logging.getLogger("components.control.capacity")
 
@@ -90,12 +93,15 @@ class LocalProvider:
     that left are parked and restored first. A new rank is restored from a criu-tier snapshot
     under Worker.snapshot_root that fits the deployment and passes its checksums (each copy in its
     own PID namespace, so one image serves any number of joiners at once; on CUDA one at a time,
-    its CUDA state restored after the CRIU restore), else cold-started."""
+    its CUDA state restored after the CRIU restore), else cold-started. With
+    Router.standby_copies, copies are restored ahead of any scale-up and wait for a rank."""
 
     def __init__(self, ctx: GraphContext):
         self.ctx = ctx
         self.wcfg = msgspec.convert(ctx.configs.get("Worker", {}), WorkerConfig)
-        self.checkpoint_parked = bool(ctx.configs.get("Router", {}).get("checkpoint_parked", False))
+        router = ctx.configs.get("Router", {})
+        self.checkpoint_parked = bool(router.get("checkpoint_parked", False))
+        self.standby_copies = int(router.get("standby_copies", 0))
         self.procs: dict[int, Child] = {}
         self.parked: dict[int, tuple[int, bool]] = {}  # rank -> (pid, CUDA state checkpointed)
         # Ranks restored from parked that `dynamo serve` started (not in procs): an abort must
@@ -105,9 +111,13 @@ class LocalProvider:
         # One choice at a time: a scale-up arriving while the startup choice hashes the images
         # waits for it and then finds the checksums cached, instead of hashing them a second time.
         self._choosing = threading.Lock()
-        self.snapshot: SnapshotChoice | None = None
+        self._choice: SnapshotChoice | None = None
+        self._chosen = None  # the SnapshotInfo chosen last, if any
+        self._standby: list[_Copy] = []
+        self._standby_lock, self._filling = threading.Lock(), threading.Lock()
+        self._closed = False
         if self.wcfg.snapshot_root:
-            self.snapshot = SnapshotChoice(SnapshotState.CHOOSING, "startup")
+            self._choice = SnapshotChoice(SnapshotState.CHOOSING, "startup")
             # Choosing a snapshot imports torch, reads the model's config and hashes every image
             # file (seconds for a CUDA image of GBs): done once now, so the first scale-up's
             # starting phase finds the imports done and the checksums cached (manifest.verify).
@@ -118,6 +128,12 @@ class LocalProvider:
         # rank -> pid: ranks `dynamo serve` started, as they report it. Their death is seen here at
         # the next look, not a heartbeat timeout later.
         self.watched: dict[int, int] = {}
+
+    @property
+    def snapshot(self) -> SnapshotChoice | None:
+        if self._choice is None:
+            return None
+        return msgspec.structs.replace(self._choice, standby=len(self._standby))
 
     @functools.cached_property
     def checkpoints_parked(self) -> bool:
@@ -193,12 +209,14 @@ class LocalProvider:
                 started_how,
                 f" with fault {fault}" if fault else "",
             )
+        self._refill()  # for the copies taken, or those of a snapshot no longer chosen
         if failed:
             raise failed[0]
         return how
 
     def _choose_at_startup(self) -> None:
         self._choose_snapshot("startup")
+        self._fill()
 
     def _choose_snapshot(self, op: str):
         """The newest criu-tier snapshot under Worker.snapshot_root that fits and passes its
@@ -206,13 +224,15 @@ class LocalProvider:
         which and how long the checks took."""
         t0 = time.perf_counter()
         with self._choosing:
-            self.snapshot = SnapshotChoice(SnapshotState.CHOOSING, op)
+            self._choice = SnapshotChoice(SnapshotState.CHOOSING, op)
             try:
                 snap, why = self._choose_snapshot_now(op)
             except Exception as e:
-                self.snapshot = SnapshotChoice(SnapshotState.NONE, op, why=f"choosing a snapshot failed: {e}")
+                self._choice = SnapshotChoice(SnapshotState.NONE, op, why=f"choosing a snapshot failed: {e}")
+                self._chosen = None
                 raise
-            self.snapshot = (
+            self._chosen = snap
+            self._choice = (
                 SnapshotChoice(SnapshotState.NONE, op, why=why)
                 if snap is None
                 else SnapshotChoice(SnapshotState.CHOSEN, op, path=snap.path, snapshot_id=snap.manifest.snapshot_id)
@@ -265,12 +285,20 @@ class LocalProvider:
         return await asyncio.to_thread(self._choose_snapshot, op)
 
     async def _start(self, rank: int, env: dict[str, str], snap, why: str, op: str) -> tuple[Child, str]:
-        """Restore rank `rank` from `snap` if given (falling back to a cold start when that
-        fails), else cold-start it. Returns (its process, "snapshot" | "new")."""
+        """Restore rank `rank` from `snap` if given (a standby copy of it if one is ready; falling
+        back to a cold start when that fails), else cold-start it. Returns (its process,
+        "snapshot" | "new")."""
         spec = Worker.rank_process(rank, join=True)
         if snap is not None:
             try:
-                return await self._restore(rank, spec, env, snap), "snapshot"
+                copy = self._take_standby(snap, rank, op)
+                if copy is not None:
+                    try:
+                        return await self._become(rank, spec, env, copy, op), "snapshot"
+                    except Exception as e:  # it died just now: restore another
+                        log.warning("[op %s] Worker.%d: the standby copy failed (%s); restoring another", op, rank, e)
+                copy = await asyncio.to_thread(self._restore_copy, snap, op, rank)
+                return await self._become(rank, spec, env, copy, op), "snapshot"
             except Exception as e:  # criu's reason; the rank still joins, cold
                 why = f"snapshot {snap.path}: restore failed: {e}"
                 log.warning("[op %s] Worker.%d: %s; cold start instead", op, rank, why)
@@ -279,34 +307,47 @@ class LocalProvider:
         # It outlives this router (a restarted one adopts it), never the graph (die_with_graph).
         return await spawn(spec, env, with_parent=False), "new"
 
-    async def _restore(self, rank: int, spec: ProcessSpec, env: dict[str, str], snap) -> Child:
-        """Restore a copy of the snapshot's worker in its own PID namespace, and tell it through
-        its stdin pipe which rank of which deployment it is (RankServer.restored)."""
-        from components.worker.restore import RestoreIdentity
+    def _restore_copy(self, snap, op: str, rank: int | None = None) -> _Copy:
+        """Restore a copy of the snapshot's worker in its own PID namespace (blocking). It waits,
+        holding no rank (on CUDA its state still checkpointed: no GPU memory), until `_become`
+        tells it which rank it is, and exits if this router dies first (its stdin closes). Like a
+        cold joiner, it dies with the graph."""
         from snapshot.bake import IMAGE_DIR
         from snapshot.criu_image import restore, verify_image
 
         image = Path(snap.path) / IMAGE_DIR
         stdin_r, stdin_w = os.pipe()
         out_r, out_w = os.pipe()
-        restored = None
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            # Like a cold joiner, it outlives this router and dies with the graph.
-            restored = await asyncio.to_thread(
-                restore,
+            restored = restore(
                 image,
                 output=out_w,
                 stdin=stdin_r,
                 manifest=verify_image(image, checksums=False),
-                dies_with=int(env.get(GRAPH_PID_ENV) or 0),
+                dies_with=int(os.environ.get(GRAPH_PID_ENV) or 0),
             )
-            op = env.get(OP_ENV, "-")
-            log.info("[op %s] Worker.%d: criu restore took %.3f s", op, rank, time.perf_counter() - t0)
+        except BaseException:
+            os.close(stdin_w)
+            os.close(out_r)
+            raise
+        finally:
+            os.close(stdin_r)
+            os.close(out_w)
+        who = f"Worker.{rank}" if rank is not None else f"standby copy pid {restored.pid}"
+        log.info("[op %s] %s: criu restore took %.3f s", op, who, time.perf_counter() - t0)
+        return _Copy(restored, stdin_w, out_r, snap.manifest.snapshot_id, time.monotonic())
+
+    async def _become(self, rank: int, spec: ProcessSpec, env: dict[str, str], copy: _Copy, op: str) -> Child:
+        """Make a restored copy rank `rank`: restore its CUDA state, then tell it through its
+        stdin pipe which rank of which deployment it is (RankServer.restored)."""
+        from components.worker.restore import RestoreIdentity
+
+        try:
             if self.wcfg.device == "cuda":
                 from snapshot import cuda_checkpoint
 
-                t = await asyncio.to_thread(cuda_checkpoint.restore, restored.pid)
+                t = await asyncio.to_thread(cuda_checkpoint.restore, copy.restored.pid)
                 log.info(
                     "[op %s] Worker.%d: CUDA state restored in %.3f s, unlocked in %.3f s",
                     op,
@@ -316,24 +357,89 @@ class LocalProvider:
                 )
             who = RestoreIdentity(
                 rank=rank,
-                pid=restored.pid,
+                pid=copy.restored.pid,
                 context=self.ctx,
                 env={k: v for k, v in env.items() if k not in (GRAPH_ENV, COMPONENT_ENV)},
                 nonce=uuid.uuid4().hex[:12],
-                snapshot=snap.manifest.snapshot_id,
+                snapshot=copy.snapshot_id,
             )
             data = msgspec.msgpack.encode(who)
-            fcntl.fcntl(stdin_w, fcntl.F_SETPIPE_SZ, max(len(data), 1 << 16))
-            os.write(stdin_w, data)  # all of it fits the pipe; the copy reads to its end
+            fcntl.fcntl(copy.stdin_w, fcntl.F_SETPIPE_SZ, max(len(data), 1 << 16))
+            os.write(copy.stdin_w, data)  # all of it fits the pipe; the copy reads to its end
         except BaseException:
-            os.close(out_r)
-            if restored is not None:
-                restored.close()
+            os.close(copy.out_r)
+            copy.restored.close()
             raise
         finally:
-            for fd in (stdin_r, stdin_w, out_w):
-                os.close(fd)
-        return await adopt(spec, restored, out_r)
+            os.close(copy.stdin_w)
+        return await adopt(spec, copy.restored, copy.out_r)
+
+    # ---- standby copies: restored ahead of any scale-up -----------------------------------------
+    def _take_standby(self, snap, rank: int, op: str) -> _Copy | None:
+        """A standby copy of `snap` for rank `rank`, if one is ready and alive; None otherwise."""
+        with self._standby_lock:
+            while self._standby:
+                copy = self._standby.pop(0)
+                if copy.snapshot_id == snap.manifest.snapshot_id and not _gone(copy.restored.pid):
+                    log.info(
+                        "[op %s] Worker.%d: standby copy pid %d, restored %.1f s ago",
+                        op,
+                        rank,
+                        copy.restored.pid,
+                        time.monotonic() - copy.since,
+                    )
+                    return copy
+                log.info(
+                    "[op %s] standby copy pid %d dropped: gone, or not of the chosen snapshot", op, copy.restored.pid
+                )
+                _discard(copy)
+        return None
+
+    def _refill(self) -> None:
+        """Restore standby copies of the chosen snapshot up to Router.standby_copies, on a thread
+        of its own, one at a time (dropping those of a snapshot no longer chosen)."""
+        if self.standby_copies and not self._filling.locked():
+            threading.Thread(target=self._fill, name="standby-copies", daemon=True).start()
+
+    def _fill(self) -> None:
+        if not self._filling.acquire(blocking=False):
+            return
+        try:
+            while True:
+                snap = self._chosen
+                with self._standby_lock:
+                    if self._closed:
+                        return
+                    mine = snap.manifest.snapshot_id if snap is not None else None
+                    stale = [c for c in self._standby if c.snapshot_id != mine]
+                    self._standby = [c for c in self._standby if c.snapshot_id == mine]
+                    missing = self.standby_copies - len(self._standby)
+                for copy in stale:
+                    _discard(copy)
+                if snap is None or missing <= 0:
+                    return
+                try:
+                    copy = self._restore_copy(snap, "standby")
+                except Exception as e:
+                    log.warning("a standby copy of snapshot %s could not be restored: %s", snap.path, e)
+                    return
+                with self._standby_lock:
+                    closed = self._closed
+                    if not closed:
+                        self._standby.append(copy)
+                        ready = len(self._standby)
+                if closed:
+                    _discard(copy)
+                    return
+                log.info(
+                    "standby copy pid %d of snapshot %s ready (%d of %d)",
+                    copy.restored.pid,
+                    snap.path,
+                    ready,
+                    self.standby_copies,
+                )
+        finally:
+            self._filling.release()
 
     def alive(self, rank: int) -> bool | None:
         child = self.procs.get(rank)
@@ -404,8 +510,29 @@ class LocalProvider:
             log.warning("[op %s] Worker.%d (pid %d) fenced: SIGKILL", op, rank, pid)
 
     async def close(self) -> None:
+        with self._standby_lock:
+            self._closed, standby, self._standby = True, self._standby, []
+        for copy in standby:
+            _discard(copy)
         ranks = set(self.procs) | set(self.adopted)
         await asyncio.gather(*(self.release(r, "shutdown", graceful=False) for r in sorted(ranks)))
+
+
+class _Copy(NamedTuple):
+    """A copy of a snapshot's worker restored by `_restore_copy`, not yet told its rank."""
+
+    restored: Restored
+    stdin_w: int  # where its RestoreIdentity goes; closed, the copy exits
+    out_r: int  # its output, pumped once it is a rank
+    snapshot_id: str
+    since: float  # when it was restored (time.monotonic)
+
+
+def _discard(copy: _Copy) -> None:
+    """End a copy that will not be a rank: killed, its pipes closed, its restore workdir removed."""
+    os.close(copy.stdin_w)
+    os.close(copy.out_r)
+    copy.restored.close()
 
 
 def _is_worker(pid: int, rank: int) -> bool:

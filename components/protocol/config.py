@@ -76,6 +76,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     # memory. Needs Worker.vmm (the weights are released first, never exported for CUDA IPC).
     # A failed restore falls back to a cold start.
     checkpoint_parked: bool = False
+    # Copies of the chosen snapshot (Worker.snapshot_root) restored ahead of any scale-up, each
+    # waiting with no rank (on CUDA its state still checkpointed: host memory, no GPU memory) to
+    # be the next joiner: a scale-up then skips the CRIU restore. Each holds about its image's
+    # size in host memory.
+    standby_copies: int = 0
     # Where joining ranks come from: "local" processes on this host, or "kubernetes" pods of the
     # worker StatefulSet ($ELASTIC_EP_CAPACITY overrides, as the manifests in deploy/ do).
     capacity: str = "local"
@@ -95,6 +100,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("liveness_timeout_s must be > 0")
         if not self.startup_timeout_s > 0:
             raise ValueError("startup_timeout_s must be > 0")
+        if self.standby_copies < 0:
+            raise ValueError("standby_copies must be >= 0")
         # What a bearer token may be (RFC 6750 b64token): anything else could not be sent as is.
         if self.token and not re.fullmatch(r"[A-Za-z0-9\-._~+/]+=*", self.token):
             raise ValueError("token must be printable ASCII: letters, digits and -._~+/ (then = padding)")

@@ -131,6 +131,7 @@ class SnapshotChoice(msgspec.Struct, frozen=True):
     path: str = ""
     snapshot_id: str = ""
     why: str = ""  # NONE: every refused snapshot's reason, or what this machine lacks
+    standby: int = 0  # copies of it restored ahead, waiting to be joiners (Router.standby_copies)
 
 
 class Topology(msgspec.Struct):
