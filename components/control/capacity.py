@@ -92,8 +92,8 @@ class LocalProvider:
     """Joining ranks as processes on this host, output prefixed like `dynamo serve` does; ranks
     that left are parked and restored first. A new rank is restored from a criu-tier snapshot
     under Worker.snapshot_root that fits the deployment and passes its checksums (each copy in its
-    own PID namespace, so one image serves any number of joiners at once; on CUDA one at a time,
-    its CUDA state restored after the CRIU restore), else cold-started. With
+    own PID namespace, so one image serves any number of joiners at once, all of a scale-up's
+    concurrently; on CUDA its CUDA state restored after the CRIU restore), else cold-started. With
     Router.standby_copies, copies are restored ahead of any scale-up and wait for a rank."""
 
     def __init__(self, ctx: GraphContext):
