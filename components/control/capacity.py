@@ -404,42 +404,41 @@ class LocalProvider:
     def _fill(self) -> None:
         if not self._filling.acquire(blocking=False):
             return
+        filling = True
         try:
-            while True:
+            while filling:
                 snap = self._chosen
+                mine = snap.manifest.snapshot_id if snap is not None else None
                 with self._standby_lock:
-                    if self._closed:
-                        return
-                    mine = snap.manifest.snapshot_id if snap is not None else None
                     stale = [c for c in self._standby if c.snapshot_id != mine]
                     self._standby = [c for c in self._standby if c.snapshot_id == mine]
-                    missing = self.standby_copies - len(self._standby)
+                    if self._closed or snap is None or len(self._standby) >= self.standby_copies:
+                        # Released under the lock: a copy taken from now on finds no fill
+                        # running, and its acquire's _refill starts one.
+                        self._filling.release()
+                        filling = False
                 for copy in stale:
                     _discard(copy)
-                if snap is None or missing <= 0:
+                if not filling:
                     return
-                try:
-                    copy = self._restore_copy(snap, "standby")
-                except Exception as e:
-                    log.warning("a standby copy of snapshot %s could not be restored: %s", snap.path, e)
-                    return
+                copy = self._restore_copy(snap, "standby")
                 with self._standby_lock:
-                    closed = self._closed
-                    if not closed:
+                    if not self._closed:
                         self._standby.append(copy)
-                        ready = len(self._standby)
-                if closed:
-                    _discard(copy)
-                    return
-                log.info(
-                    "standby copy pid %d of snapshot %s ready (%d of %d)",
-                    copy.restored.pid,
-                    snap.path,
-                    ready,
-                    self.standby_copies,
-                )
+                        log.info(
+                            "standby copy pid %d of snapshot %s ready (%d of %d)",
+                            copy.restored.pid,
+                            snap.path,
+                            len(self._standby),
+                            self.standby_copies,
+                        )
+                        continue
+                _discard(copy)
+        except Exception as e:
+            log.warning("a standby copy could not be restored: %s", e)
         finally:
-            self._filling.release()
+            if filling:
+                self._filling.release()
 
     def alive(self, rank: int) -> bool | None:
         child = self.procs.get(rank)
