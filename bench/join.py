@@ -4,10 +4,11 @@ Bakes a criu-tier snapshot of the deployment's worker (`snapshot-bake bake`, tim
 graph (`dynamo serve graphs/elastic:Frontend`, options after `--`) at one rank with an empty
 snapshot store and scales 1 -> 2 (rank 1 starts cold), then serves it again with the snapshot in
 the store, as a user would (the router chooses it and verifies its checksums as it starts), and
-scales 1 -> 2 (rank 1 is restored from it), 2 -> 1 (rank 1 parks: a warm process, or on CUDA
-with `-- --Router.checkpoint_parked=true` one whose CUDA state is checkpointed) and 1 -> 2 (rank 1
-unparks); then once more with `Router.standby_copies=1`, where the joiner is a copy the router
-restored before the scale-up (CUDA: its CUDA state is restored in the scale-up). Per join: the
+scales 1 -> 2 (rank 1 is restored from it), 2 -> 1 (rank 1 parks: a warm process) and 1 -> 2
+(rank 1 unparks); then once more with `Router.standby_copies=1`, where the joiner is a copy the
+router restored before the scale-up (CUDA: its CUDA state is restored in the scale-up), and on CUDA
+with `Router.checkpoint_parked=true` 2 -> 1 and 1 -> 2 again: a parked joiner whose CUDA state was
+checkpointed while parked (it held no GPU memory). Per join: the
 operation's phases from the router's record, "starting" being the joiner's process start (or
 restore) until it registered, and its total, start to serving (routable). After each join,
 greedy completions must equal the first ones seen.
@@ -45,6 +46,13 @@ STEPS = {
     "ep_agent": r"ep-{rank}-\w+: NIXL agent up in ([0-9.]+)s",
     "weights_agent": r"weights-{rank}-[\w-]+: NIXL agent up in ([0-9.]+)s",
     "weight_pull": r"rank {rank}: pulled \d+ tensors, [0-9.]+ MB in ([0-9.]+) s",
+    # ... of which: the sources' metadata, the copies or READs (mapping peers' memory and copying
+    # from it included), and the checksums still running after them
+    "pull_setup": r"rank {rank}: pulled .*; setup ([0-9.]+) s",
+    "pull_transfer": r"rank {rank}: pulled .* transfer ([0-9.]+) s",
+    "pull_mapping": r"rank {rank}: pulled .* mapping peers ([0-9.]+) s",
+    "pull_copying": r"rank {rank}: pulled .* copying ([0-9.]+) s",
+    "pull_verify": r"rank {rank}: pulled .* verify ([0-9.]+) s",
 }
 # Moments of a join, from its operation's start (the first line of each found after it).
 TIMELINE = {
@@ -94,11 +102,16 @@ def timeline(log: str, rank: int, op: str) -> dict[str, float]:
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(4)]
 
 
-def join(opts: list[str], max_tokens: int, restored: bool, park: bool = False, standby: int = 0) -> list[dict]:
+def join(
+    opts: list[str], max_tokens: int, restored: bool, park: bool = False, standby: int = 0, checkpoint: bool = False
+) -> list[dict]:
     """Serve one rank, scale 1 -> 2: the join's row (`restored`: once the router has chosen the
     snapshot to restore joiners from, and restored `standby` copies of it ahead). With `park`,
-    then 2 -> 1 (rank 1 parks) and 1 -> 2 again: a parked joiner's row too."""
-    srv = Server([*opts, f"--Router.standby_copies={standby}"], boot_timeout_s=600, model=None)
+    then 2 -> 1 (rank 1 parks; CUDA-checkpointed with `checkpoint`) and 1 -> 2 again: a parked
+    joiner's row too."""
+    checkpoint = checkpoint or "--Router.checkpoint_parked=true" in opts  # or the user asked for it after --
+    extra = [f"--Router.standby_copies={standby}", *(["--Router.checkpoint_parked=true"] if checkpoint else [])]
+    srv = Server([*opts, *extra], boot_timeout_s=600, model=None)
     try:
         deadline = time.monotonic() + 600
         while restored and not (
@@ -120,10 +133,15 @@ def join(opts: list[str], max_tokens: int, restored: bool, park: bool = False, s
         rows = []
         for _ in range(2 if park else 1):
             op = to(2)
+            joiner = op["joined_from"]["1"]
+            if standby and not rows:
+                joiner = "standby copy"
+            elif joiner == "parked" and checkpoint:
+                joiner = "parked, CUDA-checkpointed"
             rows.append(
                 {
                     "joined_from": op["joined_from"]["1"],
-                    "joiner": "standby copy" if standby and not rows else op["joined_from"]["1"],
+                    "joiner": joiner,
                     "scale": "1 -> 2",
                     "phases": {k: op["phases"].get(k, 0.0) for k in PHASES},
                     "total_s": op["total_s"],
@@ -204,8 +222,11 @@ def main() -> None:
         # checksums verified) by the router as it starts, before any scale-up.
         # Then 2 -> 1 parks rank 1, and 1 -> 2 restores it: the parked joiner.
         rows += join(opts, args.max_tokens, restored=True, park=True)
-        # With Router.standby_copies=1: a copy restored before the scale-up becomes the joiner.
-        rows += join(opts, args.max_tokens, restored=True, standby=1)
+        # With Router.standby_copies=1: a copy restored before the scale-up becomes the joiner. On
+        # CUDA, with Router.checkpoint_parked, 2 -> 1 and 1 -> 2 again: a parked joiner whose CUDA
+        # state was checkpointed (holding no GPU memory while parked).
+        cuda = args.device == "cuda"
+        rows += join(opts, args.max_tokens, restored=True, standby=1, park=cuda, checkpoint=cuda)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result = {

@@ -1,8 +1,10 @@
 """The checksum (components/engine/checksum.py) is the three weighted word sums its docstring names,
 and its Triton kernel (checksum_kernel.py, what a GPU runs) gives the torch form's value bit for
 bit: for every word type, sizes around a row and a block, several blocks, unaligned views, many
-tensors at once. On the CPU the kernel runs under Triton's interpreter in a subprocess (as in
-test_triton_kernels.py); on a GPU compiled, and over more than 2**31 bytes."""
+tensors at once. The kernel that copies and sums in one pass (a weight pull's same-node copies)
+copies every word, touches nothing else, and gives the same value. On the CPU the kernels run
+under Triton's interpreter in a subprocess (as in test_triton_kernels.py); on a GPU compiled, and
+over more than 2**31 bytes."""
 
 from __future__ import annotations
 
@@ -78,12 +80,39 @@ def check_kernel(device: str, block_rows: int) -> None:
         assert _kernel_checksums([v], block_rows).tolist() == [want[k]], k
 
 
+def check_copy_kernel(device: str, block_rows: int) -> None:
+    """Every case of 32-bit words copied in one call, each from and to 16-byte aligned offsets of
+    two buffers: copies equal to their sources, the words between them untouched, and each sum
+    the checksum of its words."""
+    from components.engine.checksum import _copy_kernel_checksums
+
+    words = [w for w in (_words(v) for v in cases(block_rows).values()) if w.dtype == torch.int32]
+    size = sum((w.numel() + 3) // 4 * 4 + 8 for w in words) + 8
+    src = torch.zeros(size, dtype=torch.int32, device=device)
+    dst = torch.full((size,), -7, dtype=torch.int32, device=device)
+    pairs, s_at, d_at = [], 4, 8
+    for w in words:
+        s = src[s_at : s_at + w.numel()]
+        s.copy_(w)
+        pairs.append((dst[d_at : d_at + w.numel()], s))
+        s_at += (w.numel() + 3) // 4 * 4 + 4
+        d_at += (w.numel() + 3) // 4 * 4 + 8
+    got = _copy_kernel_checksums(pairs, block_rows).tolist()
+    assert got == [int(_checksum_torch(w)) for w in words]
+    untouched = torch.ones(size, dtype=torch.bool, device=device)
+    for d, s in pairs:
+        assert torch.equal(d, s)
+        untouched[d.storage_offset() : d.storage_offset() + d.numel()] = False
+    assert bool((dst[untouched] == -7).all())
+
+
 def _interpreted() -> None:
     """Run in the subprocess: the kernel interpreted on CPU tensors, small blocks and the real size."""
     from harness.triton_interpreter import enable
 
     enable()
     check_kernel("cpu", SMALL_BLOCK_ROWS)
+    check_copy_kernel("cpu", SMALL_BLOCK_ROWS)
     from components.engine.checksum import _kernel_checksums
     from components.engine.checksum_kernel import BLOCK_ROWS
 
@@ -115,8 +144,28 @@ def test_checksum_kernel_on_cuda(block_rows):
     from components.engine.checksum_kernel import BLOCK_ROWS
 
     check_kernel("cuda", block_rows or BLOCK_ROWS)
+    check_copy_kernel("cuda", block_rows or BLOCK_ROWS)
     ts = cases(block_rows or BLOCK_ROWS)
     assert checksums([t.cuda() for t in ts.values()]) == checksums(ts.values())
+
+
+@pytest.mark.gpu
+def test_copy_checksums_on_cuda():
+    """copy_checksums_later through its public rules: a bf16 weight and an fp32 one copied and
+    summed as checksums() sums them; a pair it cannot take (not 16-byte aligned, or on the CPU)
+    is refused with the reason, and fused_copy_ok says so beforehand."""
+    from components.engine.checksum import copy_checksums_later, fused_copy_ok
+
+    src = [torch.randn(4096, 3000, device="cuda").to(torch.bfloat16), torch.randn(1001, device="cuda")]
+    dst = [torch.empty_like(t) for t in src]
+    pairs = [(d, s) for d, s in zip(dst, src)]
+    assert all(fused_copy_ok(d, s) for d, s in pairs)
+    assert copy_checksums_later(pairs)() == checksums(src)
+    assert all(torch.equal(d, s) for d, s in pairs)
+    odd = (dst[1][1:], src[1][:-1])  # 4 bytes into their storages
+    assert not fused_copy_ok(*odd) and not fused_copy_ok(dst[1].cpu(), src[1].cpu())
+    with pytest.raises(ValueError, match="cannot copy and checksum 4000 bytes"):
+        copy_checksums_later([odd])
 
 
 @pytest.mark.gpu

@@ -191,6 +191,8 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
     for word in (torch.int32, torch.int16, torch.uint8):
         words = [_meta(1000, dtype=word)]
         yield f"block_sums {word}", lambda: checksum_kernel.block_sums(words, checksum._COLS, checksum._ROW_MOD)
+    pairs = [(_meta(5000, dtype=torch.int32), _meta(5000, dtype=torch.int32))]
+    yield "copy_block_sums", lambda: checksum_kernel.copy_block_sums(pairs, checksum._COLS, checksum._ROW_MOD)
 
 
 def _echo(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

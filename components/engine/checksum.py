@@ -116,3 +116,54 @@ def checksums_later(ts: Iterable[torch.Tensor]) -> Callable[[], list[int]]:
 def checksums(ts: Iterable[torch.Tensor]) -> list[int]:
     """checksum() of many tensors with one device sync instead of one per tensor."""
     return checksums_later(ts)()
+
+
+def fused_copy_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """copy_checksums_later can take this pair: contiguous, on one GPU, the same whole number of
+    32-bit words, each starting a multiple of 16 bytes into its storage."""
+    return (
+        dst.is_cuda
+        and src.device == dst.device
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and dst.nbytes == src.nbytes
+        and dst.nbytes % 4 == 0
+        and all((t.data_ptr() - t.untyped_storage().data_ptr()) % 16 == 0 for t in (dst, src))
+    )
+
+
+def copy_checksums_later(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], list[int]]:
+    """Copy each (destination, source) pair's bytes (fused_copy_ok pairs) and checksum them in the
+    same pass, queued on the current stream: the call returned waits (one sync) and gives each
+    pair's checksum() of the bytes copied. Reading the bytes once instead of twice more is what lets
+    a weight pull verify at close to copy speed (checksum_kernel.py)."""
+    for d, s in pairs:
+        if not fused_copy_ok(d, s):
+            raise ValueError(f"cannot copy and checksum {s.nbytes} bytes at {s.data_ptr():#x} in one pass")
+    if not pairs:
+        return list
+    vals = _copy_kernel_checksums(pairs)
+    return lambda: [int(v) for v in vals.tolist()]
+
+
+def _copy_kernel_checksums(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], block_rows: int | None = None
+) -> torch.Tensor:
+    """[len(pairs)] int64 checksums of the bytes each (destination, source) pair copies, as 32-bit
+    words, by the copying kernel (no sync)."""
+    from . import checksum_kernel as ck
+
+    sums, owner = ck.copy_block_sums(pairs, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS)
+    total = torch.zeros(len(pairs), 3, dtype=torch.int64, device=sums.device).index_add_(0, owner, sums)
+    return total[:, 0] + total[:, 1] * _MIX_COL + total[:, 2] * _MIX_ROW
+
+
+def warm_kernels(device: torch.device) -> None:
+    """Compile (or find in Triton's cache) and load the checksum kernels on `device`: each word
+    type's and the copy that sums. A process's first launch of a Triton kernel compiles it or
+    loads it; done when the engine is built, that is not a joiner's first pull, and a snapshot's
+    image holds the loaded kernels."""
+    # The word type follows the byte count (_words): 32, 6 and 7 bytes are 32-bit, 16-bit and byte words.
+    ts = [torch.zeros(n, dtype=torch.uint8, device=device) for n in (32, 6, 7)]
+    checksums(ts)
+    copy_checksums_later([(torch.empty_like(ts[0]), ts[0])])()

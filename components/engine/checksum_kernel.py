@@ -18,6 +18,16 @@ Why it is built this way:
   program: the tile's rows of a lane sit in one thread, so the loop body is a load, a 64-bit add
   and a widening multiply-add per word (row weights are alike in all threads: uniform registers), and
   few registers, so many loads are in flight. A block's sums stay far below 2**63: none wraps here.
+
+The copy that sums (`copy_block_sums`, a weight pull's same-node copies): one pass that stores each
+word it reads and sums it, so a pull verifies what it copied without reading it again (a copy then a
+checksum read 8.6 GB three times over: 4.4 + 3.3 ms on an H200). Its tiles are flat and contiguous,
+TILE_ROWS whole rows (a row is 251 words, not a multiple of 4: the stride-251 tiles above store a
+row with scalar, unaligned writes, 0.7 TB/s measured), padded to a power of two with the padding
+lanes masked off by a constant, so loads and stores are 16-byte vectors where the addresses are
+16-byte aligned (the caller checks they are, and says so with hints). A lane's column is then fixed
+for the whole block (C is its lane sum times the column weight, as above) and its row is the tile's
+first row plus its row in the tile.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ _ROWS = 8  # rows per tile
 _LANES = 256  # a row's 251 words, padded to a power of two
 _WARPS = 4
 _WORD_TYPES = {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
+COPY_TILE_ROWS = 8  # rows of 251 words per tile of the copy that sums: 2008 of 2048 lanes used
+_COPY_WARPS = 8
 
 
 @triton.jit
@@ -68,6 +80,58 @@ def _block_sums(
         phase = (phase + ROWS) % ROW_MOD
     tl.store(out + pid * 3, tl.sum(col_acc))
     tl.store(out + pid * 3 + 1, tl.sum(col_acc * (c + 1).to(tl.int64)))
+    tl.store(out + pid * 3 + 2, tl.sum(row_acc))
+
+
+@triton.jit
+def _copy_tile(s, d, j, mask, phase, lane_row, sum_acc, row_acc, ROW_MOD: tl.constexpr):
+    """Copy one tile's words and add them to the lanes' sums; a lane's row is the tile's first
+    (`phase`) plus its row in the tile."""
+    w = tl.load(s + j, mask=mask, other=0)
+    tl.store(d + j, w, mask=mask)
+    rw = phase + lane_row
+    rw = tl.where(rw >= ROW_MOD, rw - ROW_MOD, rw) + 1
+    w = w.to(tl.int64)
+    return sum_acc + w, row_acc + w * rw.to(tl.int64)
+
+
+@triton.jit
+def _copy_block_sums(
+    src,
+    dst,
+    table,
+    out,
+    COLS: tl.constexpr,
+    ROW_MOD: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    LANES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    entry = table + pid * 5
+    # Word offsets from `src` and `dst`, multiples of 4 (16 bytes): the host checked.
+    s = src + tl.multiple_of(tl.load(entry), 4)
+    d = dst + tl.multiple_of(tl.load(entry + 1), 4)
+    n = tl.load(entry + 2).to(tl.int32)
+    phase = tl.load(entry + 3).to(tl.int32)  # (global row of the block's first word) % ROW_MOD
+    tl.static_assert(TILE_ROWS * COLS <= LANES)
+    tl.static_assert(TILE_ROWS <= ROW_MOD)
+    TILE: tl.constexpr = TILE_ROWS * COLS
+    j = tl.arange(0, LANES)
+    used = j < TILE  # constant per group of 4 lanes (TILE is a multiple of 4): vectors stay whole
+    lane_row = j // COLS
+    sum_acc = tl.zeros([LANES], tl.int64)  # per lane: its words' sum (its column is fixed)
+    row_acc = tl.zeros([LANES], tl.int64)
+    full = n // TILE * TILE
+    for start in range(0, full, TILE):
+        start = tl.multiple_of(start, 4)
+        sum_acc, row_acc = _copy_tile(s + start, d + start, j, used, phase, lane_row, sum_acc, row_acc, ROW_MOD)
+        phase = (phase + TILE_ROWS) % ROW_MOD
+    if full < n:  # the block's last, partial tile
+        m = used & (j < n - full)
+        sum_acc, row_acc = _copy_tile(s + full, d + full, j, m, phase, lane_row, sum_acc, row_acc, ROW_MOD)
+    col_w = (j % COLS + 1).to(tl.int64)
+    tl.store(out + pid * 3, tl.sum(sum_acc))
+    tl.store(out + pid * 3 + 1, tl.sum(sum_acc * col_w))
     tl.store(out + pid * 3 + 2, tl.sum(row_acc))
 
 
@@ -128,3 +192,66 @@ def block_sums(
             )
             start = end
     return out, table[:, 3]
+
+
+def copy_block_sums(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], cols: int, row_mod: int, block_rows: int = BLOCK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy each (destination, source) pair's bytes, a whole number of 32-bit words, and sum them
+    as words as block_sums does (same return), in one launch per pair of storages, on the current
+    stream, no sync. Every tensor must be contiguous, on one device, and start a multiple of 16
+    bytes into its storage (checksum.fused_copy_ok): the kernel is told its offsets are whole
+    16-byte vectors. Per pair only its offsets are read on the host (no views made): a pull hands
+    over hundreds of tensors, and its copies cannot start before the table is on the device."""
+    dev = pairs[0][0].device
+    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # storages -> (offsets, words, pair)
+    for i, (d, s) in enumerate(pairs):
+        if d.nbytes:
+            key = (s.untyped_storage().data_ptr(), d.untyped_storage().data_ptr())
+            groups.setdefault(key, []).append(
+                ((s.data_ptr() - key[0]) // 4, (d.data_ptr() - key[1]) // 4, d.nbytes // 4, i)
+            )
+    if not groups:
+        return torch.empty(0, 3, dtype=torch.int64, device=dev), torch.empty(0, dtype=torch.int64, device=dev)
+    block = block_rows * cols
+    # Per pair one row goes to the device, which expands it into its blocks' rows: the host's
+    # share does not grow with the bytes.
+    per_pair = [(*row, (row[2] + block - 1) // block) for rows in groups.values() for row in rows]
+    host = torch.tensor(per_pair, dtype=torch.int64)
+    if dev.type == "cuda":
+        host = host.pin_memory()
+    on_dev = host.to(dev, non_blocking=True)
+    blocks = on_dev[:, 4]
+    owner = torch.repeat_interleave(
+        torch.arange(len(per_pair), device=dev), blocks, output_size=sum(r[4] for r in per_pair)
+    )
+    k = (torch.arange(owner.numel(), device=dev) - (blocks.cumsum(0) - blocks)[owner]) * block  # block start, in words
+    t = on_dev[owner]
+    table = torch.stack([t[:, 0] + k, t[:, 1] + k, (t[:, 2] - k).clamp(max=block), k // cols % row_mod, t[:, 3]], 1)
+    # Each group's blocks, in the table's order: one launch per pair of storages.
+    group_blocks = [sum((n + block - 1) // block for _, _, n, _ in rows) for rows in groups.values()]
+    out = torch.empty(table.shape[0], 3, dtype=torch.int64, device=dev)
+    start = 0
+    with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():
+        for rows, n_blocks in zip(groups.values(), group_blocks):
+            d, s = pairs[rows[0][3]]
+            end = start + n_blocks
+            _copy_block_sums[(n_blocks,)](
+                _storage_words(s),
+                _storage_words(d),
+                table[start:end],
+                out[start:end],
+                COLS=cols,
+                ROW_MOD=row_mod,
+                TILE_ROWS=COPY_TILE_ROWS,
+                LANES=triton.next_power_of_2(COPY_TILE_ROWS * cols),
+                num_warps=_COPY_WARPS,
+            )
+            start = end
+    return out, table[:, 4]
+
+
+def _storage_words(t: torch.Tensor) -> torch.Tensor:
+    """The int32 words of `t`'s whole storage, from its start (the base its offsets count from)."""
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.int32, device=t.device).set_(st, 0, (st.nbytes() // 4,))

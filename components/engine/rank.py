@@ -215,6 +215,12 @@ class EngineRank:
             from components.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs)
+        if self.device.type == "cuda":
+            # A weight pull's kernels, loaded now rather than in a joiner's first pull (and so in
+            # a snapshot's image: a restored joiner's pull then starts copying at once).
+            from components.engine.checksum import warm_kernels
+
+            warm_kernels(self.device)
         self.sched = Scheduler(
             cfg.max_seqs, self.max_len, cfg.max_batched_tokens, mc.eos_token_ids, invariant=cfg.batch_invariant
         )

@@ -83,10 +83,12 @@ class PullStats(msgspec.Struct):
     bytes: int
     seconds: float  # whole pull() call: metadata, transfers, verification
     per_source: dict[int, int]  # bytes per source rank
+    setup_seconds: float = 0.0  # planning and loading the sources' NIXL metadata, before the first transfer
     transfer_seconds: float = 0.0  # first post to last completion
     verify_seconds: float = 0.0  # checksums still running after the last transfer (the rest overlapped it)
     ipc_bytes: int = 0  # of `bytes`, copied through CUDA IPC from same-node peers
     map_seconds: float = 0.0  # of transfer_seconds, mapping and unmapping same-node peers' memory
+    copy_seconds: float = 0.0  # of transfer_seconds, same-node copies (this rank's own included), queued and waited for
     local_bytes: int = 0  # of `bytes`, copied from the puller's own tensors (its rank was a source)
     lost: list[SourceLoss] = []  # sources given up on, when the puller may lose some (pull(partial=True))
 

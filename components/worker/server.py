@@ -415,15 +415,18 @@ class RankServer:
                 f"after the pull (injected corruption)"
             )
         log.info(
-            "[op %s] rank %d: pulled %d tensors, %.1f MB in %.3f s (%.2f GB/s; transfer %.3f s, verify %.3f s) "
-            "from ranks %s",
+            "[op %s] rank %d: pulled %d tensors, %.1f MB in %.3f s (%.2f GB/s; setup %.3f s, transfer %.3f s "
+            "of which mapping peers %.3f s and copying %.3f s, verify %.3f s) from ranks %s",
             msg.op,
             self.rank,
             stats.tensors,
             stats.bytes / 1e6,
             stats.seconds,
             stats.gbps,
+            stats.setup_seconds,
             stats.transfer_seconds,
+            stats.map_seconds,
+            stats.copy_seconds,
             stats.verify_seconds,
             sorted(stats.per_source),
         )
