@@ -141,7 +141,7 @@ def copy_checksums_later(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Call
         if not fused_copy_ok(d, s):
             raise ValueError(f"cannot copy and checksum {s.nbytes} bytes at {s.data_ptr():#x} in one pass")
     if not pairs:
-        return list
+        return lambda: []
     vals = _copy_kernel_checksums(pairs)
     return lambda: [int(v) for v in vals.tolist()]
 
