@@ -54,6 +54,8 @@ STEPS = {
     "pull_copying": r"rank {rank}: pulled .* copying ([0-9.]+) s",
     "pull_verify": r"rank {rank}: pulled .* verify ([0-9.]+) s",
 }
+# What the joiner pulled, in MB: with the pull's seconds, its rate.
+PULLED = {"pull_mb": r"rank {rank}: pulled \d+ tensors, ([0-9.]+) MB"}
 # Moments of a join, from its operation's start (the first line of each found after it).
 TIMELINE = {
     "restored": r"\[op {op}\] Worker\.{rank}: criu restore took",
@@ -67,11 +69,11 @@ TIMELINE = {
 STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
-def join_steps(log: str, rank: int, op: str) -> dict[str, float]:
-    """Seconds of each step of STEPS the log shows for `rank` from operation `op`'s start on."""
+def join_steps(log: str, rank: int, op: str, steps: dict[str, str] = STEPS) -> dict[str, float]:
+    """Seconds of each step of `steps` the log shows for `rank` from operation `op`'s start on."""
     start = log.find(f"[op {op}] queued -> ")
     out = {}
-    for step, pattern in STEPS.items():
+    for step, pattern in steps.items():
         found = re.search(pattern.format(rank=rank), log[max(start, 0) :])
         if found:
             out[step] = float(found.group(1))
@@ -146,6 +148,7 @@ def join(
                     "phases": {k: op["phases"].get(k, 0.0) for k in PHASES},
                     "total_s": op["total_s"],
                     "steps": join_steps(srv.output, 1, op["id"]),
+                    "pulled_mb": join_steps(srv.output, 1, op["id"], PULLED).get("pull_mb"),
                     "timeline": timeline(srv.output, 1, op["id"]),
                     "snapshot_refused": op["snapshot_refused"],
                     "greedy_equal": [srv.stream_text(q, max_tokens) for q in PROMPTS] == first,
@@ -248,7 +251,11 @@ def main() -> None:
             + f" | {r['total_s']:.3f} | {r['greedy_equal']} |"
         )
     for r in rows:
-        print(f"{r['joiner']} joiner steps (s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["steps"].items()))
+        print(
+            f"{r['joiner']} joiner steps (s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["steps"].items())
+            + (f"; pulled {r['pulled_mb']:.0f} MB" if r["pulled_mb"] is not None else "")
+        )
     print("\nseconds from the operation's start:")
     print("| joined from | " + " | ".join(TIMELINE) + " |")
     print("|---|" + "---|" * len(TIMELINE))
