@@ -135,7 +135,7 @@ def fused_copy_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
 def copy_checksums_later(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], list[int]]:
     """Copy each (destination, source) pair's bytes (fused_copy_ok pairs) and checksum them in the
     same pass, queued on the current stream: the call returned waits (one sync) and gives each
-    pair's checksum() of the bytes copied. Reading the bytes once instead of twice more is what lets
+    pair's checksum() of the bytes copied. Reading the bytes once instead of twice is what lets
     a weight pull verify at close to copy speed (checksum_kernel.py)."""
     for d, s in pairs:
         if not fused_copy_ok(d, s):

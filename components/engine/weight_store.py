@@ -29,7 +29,7 @@ Why it is built this way:
   request's data lands, so on a GPU the checks of early requests run while later ones are in
   flight. This catches a wrong address, a wrong slot, a short read and a source whose memory does
   not hold what it claims. A same-node copy on one GPU is summed by the kernel that copies it
-  (copy_checksums_later): reading 8.6 GB once instead of twice more is most of the pull's speed,
+  (copy_checksums_later): reading 8.6 GB once instead of twice is most of the pull's speed,
   and the sum is of the bytes as read, which are the bytes written where the pull planned.
 * No hangs. A pull is bounded by ``timeout_s``; a source that disappears (NIXL reports ERR) or
   stays silent gives a WeightTransferError naming it. Requests to healthy sources are allowed to
@@ -564,7 +564,7 @@ class WeightStore:
         """Copy pair i's source bytes into entry i's destination and start checking the entries,
         then wait until the copies are there (the checksums may still run). On a GPU a pair on one
         device is copied and checksummed in one pass (copy_checksums_later, which sums the bytes it
-        copies: reading them once instead of three times is most of a same-node pull's speed);
+        copies: reading them once instead of twice is most of a same-node pull's speed);
         other pairs' checksums queue behind their copies, and run while the peers are unmapped and
         the READs are in flight."""
         one_pass = [fused_copy_ok(d, s) for d, s in pairs]
