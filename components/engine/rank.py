@@ -216,8 +216,8 @@ class EngineRank:
 
             self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs)
         if self.device.type == "cuda":
-            # A weight pull's kernels, loaded now rather than in a joiner's first pull (and so in
-            # a snapshot's image: a restored joiner's pull then starts copying at once).
+            # A weight pull's kernels, loaded now rather than in a joiner's first pull (and so
+            # held by a snapshot's image).
             from components.engine.checksum import warm_kernels
 
             warm_kernels(self.device)
