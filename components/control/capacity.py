@@ -367,11 +367,9 @@ class LocalProvider:
             fcntl.fcntl(copy.stdin_w, fcntl.F_SETPIPE_SZ, max(len(data), 1 << 16))
             os.write(copy.stdin_w, data)  # all of it fits the pipe; the copy reads to its end
         except BaseException:
-            os.close(copy.out_r)
-            copy.restored.close()
+            _discard(copy)
             raise
-        finally:
-            os.close(copy.stdin_w)
+        os.close(copy.stdin_w)
         return await adopt(spec, copy.restored, copy.out_r)
 
     # ---- standby copies: restored ahead of any scale-up -----------------------------------------

@@ -136,6 +136,13 @@ def _copy_block_sums(
     tl.store(out + pid * 3 + 2, tl.sum(row_acc))
 
 
+def _blocks(blocks: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tensors of blocks[i] blocks each, every block in order: (its tensor's index, its number
+    within that tensor). `total` (the sum of `blocks`) saves a device sync where it is known."""
+    owner = torch.repeat_interleave(torch.arange(blocks.numel(), device=blocks.device), blocks, output_size=total)
+    return owner, torch.arange(owner.numel(), device=blocks.device) - (blocks.cumsum(0) - blocks)[owner]
+
+
 def _table(words: list[torch.Tensor], idx: list[int], cols: int, row_mod: int, block_rows: int) -> torch.Tensor:
     """[blocks, 4] int64 on the host: (address, words, row phase, tensor index) of each block of the
     words[i] for i in idx, a tensor's blocks in order."""
@@ -143,9 +150,7 @@ def _table(words: list[torch.Tensor], idx: list[int], cols: int, row_mod: int, b
     n = torch.tensor([words[i].numel() for i in idx], dtype=torch.int64)
     addr = torch.tensor([words[i].data_ptr() for i in idx], dtype=torch.int64)
     size = torch.tensor([words[i].element_size() for i in idx], dtype=torch.int64)
-    blocks = (n + block - 1) // block
-    owner = torch.repeat_interleave(torch.arange(len(idx)), blocks)
-    k = torch.arange(owner.numel()) - (blocks.cumsum(0) - blocks)[owner]  # block number within its tensor
+    owner, k = _blocks((n + block - 1) // block)
     return torch.stack(
         [
             addr[owner] + k * block * size[owner],
@@ -205,32 +210,29 @@ def copy_block_sums(
     16-byte vectors. Per pair only its offsets are read on the host (no views made): a pull hands
     over hundreds of tensors, and its copies cannot start before the table is on the device."""
     dev = pairs[0][0].device
-    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # storages -> (offsets, words, pair)
+    block = block_rows * cols
+    # storages -> per pair: (source and destination offsets in words, words, pair, blocks)
+    groups: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
     for i, (d, s) in enumerate(pairs):
-        if d.nbytes:
+        if n := d.nbytes // 4:
             key = (s.untyped_storage().data_ptr(), d.untyped_storage().data_ptr())
             groups.setdefault(key, []).append(
-                ((s.data_ptr() - key[0]) // 4, (d.data_ptr() - key[1]) // 4, d.nbytes // 4, i)
+                ((s.data_ptr() - key[0]) // 4, (d.data_ptr() - key[1]) // 4, n, i, (n + block - 1) // block)
             )
     if not groups:
         return torch.empty(0, 3, dtype=torch.int64, device=dev), torch.empty(0, dtype=torch.int64, device=dev)
-    block = block_rows * cols
+    # Each group's blocks, in the table's order: one launch per pair of storages.
+    group_blocks = [sum(r[4] for r in rows) for rows in groups.values()]
     # Per pair one row goes to the device, which expands it into its blocks' rows: the host's
     # share does not grow with the bytes.
-    per_pair = [(*row, (row[2] + block - 1) // block) for rows in groups.values() for row in rows]
-    host = torch.tensor(per_pair, dtype=torch.int64)
+    host = torch.tensor([r for rows in groups.values() for r in rows], dtype=torch.int64)
     if dev.type == "cuda":
         host = host.pin_memory()
     on_dev = host.to(dev, non_blocking=True)
-    blocks = on_dev[:, 4]
-    owner = torch.repeat_interleave(
-        torch.arange(len(per_pair), device=dev), blocks, output_size=sum(r[4] for r in per_pair)
-    )
-    k = (torch.arange(owner.numel(), device=dev) - (blocks.cumsum(0) - blocks)[owner]) * block  # block start, in words
+    owner, k = _blocks(on_dev[:, 4], total=sum(group_blocks))
+    k = k * block  # block start, in words
     t = on_dev[owner]
     table = torch.stack([t[:, 0] + k, t[:, 1] + k, (t[:, 2] - k).clamp(max=block), k // cols % row_mod, t[:, 3]], 1)
-    # Each group's blocks, in the table's order: one launch per pair of storages.
-    group_blocks = [sum((n + block - 1) // block for _, _, n, _ in rows) for rows in groups.values()]
     out = torch.empty(table.shape[0], 3, dtype=torch.int64, device=dev)
     start = 0
     with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():
