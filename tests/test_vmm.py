@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from components.engine.vmm import VmmArena, VmmError, place_engine_memory
+from components.engine.vmm import VmmArena, VmmError, VmmExporter, VmmImport, place_engine_memory, receive
 from harness.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +90,38 @@ def test_arena_release_remap_keeps_addresses_and_graphs():
         arena.close()
     with pytest.raises(VmmError, match="closed"):
         arena.remap()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keep", [True, False])
+def test_lent_arena_is_freed_by_its_release(keep):
+    """An exporter that keeps its descriptors between requests must not keep the memory alive: a
+    release frees it, a released arena lends nothing, and after a remap it lends the new memory."""
+    arena = VmmArena(64 << 20, "cuda", chunk_bytes=32 << 20)
+    exporter = VmmExporter(arena, keep=keep)
+    try:
+        t = arena.alloc((16 << 20,), torch.int32)
+        t.copy_(torch.arange(t.numel(), device="cuda", dtype=torch.int32))
+        for _ in range(2):  # a second pull gets the same memory, whether re-exported or not
+            imp = VmmImport(receive(exporter.address), "cuda")
+            assert torch.equal(imp.tensor[: t.nbytes].view(torch.int32), t)
+            imp.tensor[:4].fill_(255)  # read-write
+            imp.close()
+        assert t[0].item() == -1
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+        arena.release()
+        assert torch.cuda.mem_get_info()[0] - free >= 64 << 20, "the lent descriptors kept the memory alive"
+        with pytest.raises(VmmError, match="sent no memory"):
+            receive(exporter.address)
+        arena.remap()
+        t.fill_(7)
+        imp = VmmImport(receive(exporter.address), "cuda")
+        assert torch.equal(imp.tensor[: t.nbytes].view(torch.int32), t)
+        imp.close()
+    finally:
+        exporter.close()
+        arena.close()
 
 
 @pytest.mark.gpu

@@ -199,7 +199,7 @@ class PeerWindows:
         }
         self._off = {n: t.data_ptr() - self.box.ptr for n, t in parts.items()}
         self.layout = (R, C, W, self.box.nbytes)
-        self.exporter = VmmExporter(self.box)
+        self.exporter = VmmExporter(self.box, keep=False)
         self.windows = VmmWindow(R, self.box.nbytes, dev)
         self.table = torch.zeros(R, dtype=torch.int64, device=dev)  # window address per peer
         self.table[rank] = self.box.ptr

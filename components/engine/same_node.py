@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -76,7 +77,7 @@ class SameNodeExport:
                 from .vmm import VmmError, VmmExporter
 
                 try:
-                    self._exporter = VmmExporter(self._arena)
+                    self._exporter = VmmExporter(self._arena, keep=True)
                     self._vmm = [VmmRegion(self._arena.ptr, self._arena.nbytes, self._exporter.address)]
                 except (VmmError, OSError) as e:
                     log.info("%s: the VMM arena cannot be lent (%s); NIXL serves it", self.name, e)
@@ -91,15 +92,34 @@ class SameNodeExport:
 class SameNodeImports:
     """Same-node sources' memory opened in this process, per (source agent, region base)."""
 
-    def __init__(self, name: str, device: torch.device, node: str):
+    def __init__(self, name: str, device: torch.device, node: str, timeout_s: float = 10.0):
         self.name = name
         self.device = device
         self.node = node
+        self.timeout_s = timeout_s
         # (source agent, region base) -> (its bytes, the VmmImport to close or None)
         self._opened: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}
+        # (source agent, region base) -> a VMM region's descriptors on their way (prefetch)
+        self._coming: dict[tuple[str, int], Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def usable(self, m: WeightManifest) -> bool:
         return self.device.type == "cuda" and m.mem_type == "VRAM" and bool(m.ipc or m.vmm) and m.node == self.node
+
+    def prefetch(self, manifests: Iterable[WeightManifest]) -> None:
+        """Ask every usable source's VMM exporters for their descriptors now, from threads (sockets
+        only), so the answers arrive together, and while the caller does other work, instead of
+        one source after another inside the pull. `_open` takes them; `close` drops the unused."""
+        from .vmm import receive
+
+        for m in manifests:
+            if not self.usable(m):
+                continue
+            for g in m.vmm:
+                if (m.agent, g.base) not in self._coming and (m.agent, g.base) not in self._opened:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(8, thread_name_prefix=f"{self.name}-vmm-receive")
+                    self._coming[m.agent, g.base] = self._pool.submit(receive, g.address, self.timeout_s)
 
     @staticmethod
     def _region(m: WeightManifest, desc: TensorDesc) -> IpcRegion | VmmRegion | None:
@@ -128,9 +148,11 @@ class SameNodeImports:
         key = (agent, g.base)
         if key not in self._opened:
             if isinstance(g, VmmRegion):
-                from .vmm import VmmImport
+                from .vmm import VmmImport, receive
 
-                imp = VmmImport(g.address, self.device)
+                coming = self._coming.pop(key, None)
+                lent = coming.result() if coming is not None else receive(g.address, self.timeout_s)
+                imp = VmmImport(lent, self.device)
                 if imp.nbytes < g.nbytes:
                     imp.close()
                     raise ValueError(f"{g.address} lent {imp.nbytes} bytes, the manifest says {g.nbytes}")
@@ -153,9 +175,29 @@ class SameNodeImports:
                 )
         return self._opened[key][0]
 
+    def close_descriptors(self) -> None:
+        """Close the descriptors of what is mapped (the mappings stay): call while copies run."""
+        for _, imported in self._opened.values():
+            if imported is not None:
+                imported.close_descriptors()
+
     def close(self, agent: str | None = None) -> None:
-        """Close what was opened from `agent` (every source if None)."""
+        """Close what was opened from `agent` (every source if None), and drop what was prefetched
+        from it and not opened."""
         for key in [k for k in self._opened if agent is None or k[0] == agent]:
             _, imported = self._opened.pop(key)
             if imported is not None:
                 imported.close()
+        for key in [k for k in self._coming if agent is None or k[0] == agent]:
+            self._coming.pop(key).add_done_callback(_drop_received)
+
+    def shutdown(self) -> None:
+        self.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _drop_received(f: Future) -> None:
+    if not f.cancelled() and f.exception() is None:
+        f.result().close()

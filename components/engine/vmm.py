@@ -17,8 +17,9 @@ KV cache into one arena; call it before any CUDA graph is captured.
 Sharing. CUDA IPC handles (cudaIpcGetMemHandle, torch's storage sharing) do not cover VMM
 memory, and UCX moved VRAM between two processes of one GPU at 0.5 GB/s here, so an arena lends
 its memory itself: `VmmExporter` hands each connecting process of the same user one POSIX file
-descriptor per chunk (SCM_RIGHTS over an abstract Unix socket), and `VmmImport` maps them into
-the importer, which then copies at device-copy speed. The exporter's own mapping is untouched; an
+descriptor per chunk (SCM_RIGHTS over an abstract Unix socket), `receive` gets them (sockets only,
+so a puller asks all its sources at once from threads), and `VmmImport` maps them into the
+importer, which then copies at device-copy speed. The exporter's own mapping is untouched; an
 importer's mapping keeps the physical memory alive until it closes it, so it must close before the
 exporter may count on a release having freed anything.
 
@@ -28,12 +29,13 @@ raises `VmmError`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import msgspec
 import torch
@@ -170,6 +172,7 @@ class VmmArena:
         self._va = _check(d, "cuMemAddressReserve", d.cuMemAddressReserve(self._nbytes, self.granularity, 0, 0))
         self.ptr = int(self._va)
         self._handles: list = []
+        self._lent: list[tuple[int, int, int]] = []  # exported descriptors (lend)
         self._offset = 0
         self._closed = False
         self._lock = threading.Lock()
@@ -203,6 +206,7 @@ class VmmArena:
 
     def _unmap(self, sync: bool = True) -> None:
         d = self._d
+        self._close_lent()  # an exported descriptor would keep the physical memory alive
         if sync and self._handles:
             torch.cuda.synchronize(self.device)
         errors = []
@@ -254,26 +258,45 @@ class VmmArena:
                 self._unmap(sync=False)
                 raise
 
-    def export_fds(self) -> list[tuple[int, int, int]]:
-        """(offset, size, fd) per chunk of the mapped memory; the caller closes the fds."""
+    @contextlib.contextmanager
+    def lend(self) -> Iterator[list[tuple[int, int, int]]]:
+        """(offset, size, fd) per chunk of the mapped memory, to send to an importer, held under
+        the arena's lock so a release cannot free them meanwhile. Exported on the first use after
+        each mapping (0.7-1.0 ms a chunk measured on an H200 once NIXL has registered the arena)
+        and kept until `unlend()`, a release or close."""
         self._check_open()
         if not self.shareable:
             raise VmmError("this device cannot export VMM memory as POSIX file descriptors")
-        d = self._d
-        kind = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         with self._lock:
             if not self._handles:
                 raise VmmError("the VMM arena is released: nothing to export")
-            out = []
-            try:
-                for off, size, h in sorted(self._handles, key=lambda x: x[0]):
-                    fd = _check(d, "cuMemExportToShareableHandle", d.cuMemExportToShareableHandle(h, kind, 0))
-                    out.append((off, size, int(fd)))
-            except VmmError:
-                for _, _, fd in out:
-                    os.close(fd)
-                raise
-            return out
+            if not self._lent:
+                self._lent = self._export()
+            yield self._lent
+
+    def unlend(self) -> None:
+        """Close the exported descriptors (the next `lend()` exports anew)."""
+        with self._lock:
+            self._close_lent()
+
+    def _export(self) -> list[tuple[int, int, int]]:
+        d = self._d
+        kind = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        out = []
+        try:
+            for off, size, h in sorted(self._handles, key=lambda x: x[0]):
+                fd = _check(d, "cuMemExportToShareableHandle", d.cuMemExportToShareableHandle(h, kind, 0))
+                out.append((off, size, int(fd)))
+        except VmmError:
+            for _, _, fd in out:
+                os.close(fd)
+            raise
+        return out
+
+    def _close_lent(self) -> None:
+        lent, self._lent = self._lent, []
+        for _, _, fd in lent:
+            os.close(fd)
 
     def close(self) -> None:
         """Free the physical memory and the VA range. Views must not be used afterwards."""
@@ -332,12 +355,18 @@ _layout_decoder = msgspec.msgpack.Decoder(list[tuple[int, int]])
 
 class VmmExporter:
     """Serves an arena's chunks as file descriptors, over the abstract Unix socket `address`, to
-    processes of this user on this machine (checked with SO_PEERCRED: a mapping is writable)."""
+    processes of this user on this machine (checked with SO_PEERCRED: a mapping is writable).
 
-    def __init__(self, arena: VmmArena):
+    With `keep`, the descriptors are exported once per mapping of the arena and kept open until it
+    is released (a weight arena: a puller's wait shrinks by the export). Without, each request
+    gets a fresh export, closed once sent: a mailbox stays mapped while its process is
+    CUDA-checkpointed, and a checkpoint with exported descriptors open has not been tried."""
+
+    def __init__(self, arena: VmmArena, keep: bool):
         if not arena.shareable:
             raise VmmError("this device cannot export VMM memory as POSIX file descriptors")
         self.arena = arena
+        self.keep = keep
         self.address = f"elastic-ep-vmm-{os.getpid()}-{id(self):x}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind("\0" + self.address)
@@ -361,28 +390,42 @@ class VmmExporter:
                     log.warning("%s: refused a process of uid %d", self.address, uid)
                     continue
                 try:
-                    chunks = self.arena.export_fds()
+                    with self.arena.lend() as chunks:
+                        socket.send_fds(
+                            conn, [_layout_encoder.encode([(o, n) for o, n, _ in chunks])], [fd for _, _, fd in chunks]
+                        )
                 except VmmError as e:
                     log.warning("%s: export failed: %s", self.address, e)
-                    continue
-                try:
-                    socket.send_fds(
-                        conn, [_layout_encoder.encode([(o, n) for o, n, _ in chunks])], [fd for _, _, fd in chunks]
-                    )
                 except OSError as e:
                     log.warning("%s: sending the descriptors failed: %s", self.address, e)
                 finally:
-                    for _, _, fd in chunks:
-                        os.close(fd)
+                    if not self.keep:
+                        self.arena.unlend()
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
         self._sock.close()
+        self.arena.unlend()
 
 
-def _receive(address: str, timeout_s: float) -> tuple[list[tuple[int, int]], list[int]]:
-    """Ask the VmmExporter at `address` for its chunks: (offset, size) each, and their fds."""
+class LentMemory:
+    """An arena's chunks as its VmmExporter lent them: (offset, size) each and its file descriptor.
+    Owns the descriptors until they are mapped (VmmImport, VmmWindow.map) or closed."""
+
+    def __init__(self, address: str, layout: list[tuple[int, int]], fds: list[int]):
+        self.address, self.layout, self.fds = address, layout, fds
+        self.nbytes = max(o + n for o, n in layout)
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+def receive(address: str, timeout_s: float = 10.0) -> LentMemory:
+    """Ask the VmmExporter at `address` for its chunks. Sockets only (no CUDA call), so several
+    sources can be asked at once from threads while the caller maps what already came."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         try:
@@ -400,16 +443,16 @@ def _receive(address: str, timeout_s: float) -> tuple[list[tuple[int, int]], lis
         for fd in fds:
             os.close(fd)
         raise
-    return layout, fds
+    return LentMemory(address, layout, fds)
 
 
-def _map_imported(d, device: torch.device, va: int, layout, fds) -> list:
-    """Import each chunk's fd and map it at `va` + its offset, read-write for `device`; closes the
-    fds. Returns the mapped (offset, size, handle); on failure nothing stays mapped."""
+def _map_imported(d, device: torch.device, va: int, lent: LentMemory) -> list:
+    """Import each lent chunk and map it at `va` + its offset, read-write for `device`. Returns the
+    mapped (offset, size, handle); on failure nothing stays mapped. The caller closes the fds."""
     kind = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     handles: list = []
     try:
-        for (off, size), fd in zip(layout, fds):
+        for (off, size), fd in zip(lent.layout, lent.fds):
             h = _check(d, "cuMemImportFromShareableHandle", d.cuMemImportFromShareableHandle(fd, kind))
             handles.append((off, size, h))
             _check(d, "cuMemMap", d.cuMemMap(d.CUdeviceptr(va + off), size, 0, h, 0))
@@ -417,14 +460,10 @@ def _map_imported(d, device: torch.device, va: int, layout, fds) -> list:
         acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         acc.location.id = device.index
         acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        nbytes = max(o + n for o, n in layout)
-        _check(d, "cuMemSetAccess", d.cuMemSetAccess(d.CUdeviceptr(va), nbytes, [acc], 1))
+        _check(d, "cuMemSetAccess", d.cuMemSetAccess(d.CUdeviceptr(va), lent.nbytes, [acc], 1))
     except BaseException:
         _unmap_imported(d, va, handles)
         raise
-    finally:
-        for fd in fds:
-            os.close(fd)
     return handles
 
 
@@ -435,28 +474,34 @@ def _unmap_imported(d, va: int, handles) -> None:
 
 
 class VmmImport:
-    """Another process's arena mapped into this one (read-write), as one uint8 tensor."""
+    """Another process's arena, as `receive` got it, mapped into this one (read-write) as one
+    uint8 tensor."""
 
-    def __init__(self, address: str, device=None, timeout_s: float = 10.0):
-        self.device = _cuda_device(device)
-        d = self._d = _driver()
-        layout, fds = _receive(address, timeout_s)
-        self.nbytes = max(o + n for o, n in layout)
+    def __init__(self, lent: LentMemory, device=None):
+        self._lent = lent
         try:
+            self.device = _cuda_device(device)
+            d = self._d = _driver()
+            self.nbytes = lent.nbytes
             self._va = _check(d, "cuMemAddressReserve", d.cuMemAddressReserve(self.nbytes, 0, 0, 0))
+            try:
+                self._handles = _map_imported(d, self.device, int(self._va), lent)
+            except BaseException:
+                d.cuMemAddressFree(self._va, self.nbytes)
+                raise
         except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        try:
-            self._handles = _map_imported(d, self.device, int(self._va), layout, fds)
-        except BaseException:
-            d.cuMemAddressFree(self._va, self.nbytes)
+            lent.close()
             raise
         self.tensor = torch.as_tensor(_Raw(int(self._va), self.nbytes), device=self.device)
 
+    def close_descriptors(self) -> None:
+        """The mapping no longer needs the lent descriptors. Closing one took 0.6 ms on an H200, so
+        a puller closes them while its copies run rather than before launching them."""
+        self._lent.close()
+
     def close(self) -> None:
         """Unmap (after the device finished reading) and drop our hold on the memory."""
+        self.close_descriptors()
         if self.tensor is None:
             return
         self.tensor = None
@@ -481,13 +526,15 @@ class VmmWindow:
     def map(self, i: int, address: str) -> int:
         """Map the arena served at `address` into window i (replacing what was there); returns
         the window's address."""
-        layout, fds = _receive(address, self.timeout_s)
-        if max(o + n for o, n in layout) > self.nbytes:
-            for fd in fds:
-                os.close(fd)
+        lent = receive(address, self.timeout_s)
+        if lent.nbytes > self.nbytes:
+            lent.close()
             raise VmmError(f"{address} lends more than a {self.nbytes}-byte window holds")
-        self.unmap(i)
-        self.mapped[i] = _map_imported(self._d, self.device, self.ptr + i * self.nbytes, layout, fds)
+        try:
+            self.unmap(i)
+            self.mapped[i] = _map_imported(self._d, self.device, self.ptr + i * self.nbytes, lent)
+        finally:
+            lent.close()
         return self.ptr + i * self.nbytes
 
     def unmap(self, i: int) -> None:

@@ -136,6 +136,11 @@ class _Checks:
         return [(it, d, got[it.dst_name]) for x in xfers for it, d, _ in x.items if got[it.dst_name] != d.checksum]
 
 
+def _wait(copied: torch.cuda.Event | None) -> None:
+    if copied is not None:
+        copied.synchronize()
+
+
 def _names(items, k: int = 3) -> str:
     names = [it.src_name for it, _, _ in items]
     s = ", ".join(names[:k])
@@ -359,6 +364,8 @@ class WeightStore:
             self._check_open()
             plan = self._plan(items, sources)
             local = plan.pop(self.rank, [])
+            if use_ipc:  # their VMM descriptors arrive while the NIXL metadata loads
+                self._imports.prefetch(sources[r] for r in plan)
             lost: dict[int, str] = {}  # source rank -> why it was given up on
             for r in plan:
                 why = self._dropped.get(sources[r].agent)
@@ -369,6 +376,7 @@ class WeightStore:
                     self._load_source(sources[r])
                 except WeightTransferError as e:
                     if not partial:
+                        self._imports.close()  # the prefetched descriptors
                         raise
                     lost[r] = str(e)
 
@@ -376,30 +384,15 @@ class WeightStore:
             checks = _Checks()
             # Before anything else writes: a source of ours may be a destination of this pull.
             local_entries = [e for x in local for e in x.items]
-            self._copy(local_entries, self._local_pairs(local_entries), checks)
-            t_local = time.monotonic()
+            _wait(self._copy(local_entries, self._local_pairs(local_entries), checks))
             # Same-node VRAM sources: copy through CUDA IPC or a lent VMM arena (same_node.py);
             # NIXL READ for everything else, and for a source whose memory could not be opened.
-            direct = {}  # source rank -> its (destination, mapped source bytes) pairs
-            for r, xs in plan.items():
-                if r not in lost and use_ipc and self._imports.usable(sources[r]):
-                    pairs = self._imports.open_all(sources[r], (e for x in xs for e in x.items))
-                    if pairs is not None:
-                        direct[r] = pairs
-            t_opened = time.monotonic()
-            try:
-                self._copy(
-                    [e for r in direct for x in plan[r] for e in x.items],
-                    [p for pairs in direct.values() for p in pairs],
-                    checks,
-                )
-                t_copied = time.monotonic()
-            finally:
-                # Close what was opened: a process holding another's CUDA IPC memory cannot be
-                # checkpointed and restored (the driver API refuses), and a joiner may be parked later.
-                t_closing = time.monotonic()
-                self._imports.close()
-                t_unmapped = time.monotonic()
+            direct, map_seconds = self._copy_same_node(
+                {r: xs for r, xs in plan.items() if r not in lost and use_ipc and self._imports.usable(sources[r])},
+                sources,
+                checks,
+            )
+            t_direct = time.monotonic()
             per_source = {r: sum(x.nbytes for x in xs) for r, xs in plan.items() if r not in lost}
             if local:
                 per_source[self.rank] = sum(x.nbytes for x in local)
@@ -458,8 +451,8 @@ class WeightStore:
                 transfer_seconds=t_verify - t_xfer,
                 verify_seconds=t_end - t_verify,
                 ipc_bytes=ipc_bytes,
-                map_seconds=(t_opened - t_local) + (t_unmapped - t_closing),
-                copy_seconds=(t_local - t_xfer) + (t_copied - t_opened),
+                map_seconds=map_seconds,
+                copy_seconds=(t_direct - t_xfer) - map_seconds,
                 local_bytes=local_bytes,
                 lost=gone,
             )
@@ -560,13 +553,45 @@ class WeightStore:
             pairs.append((dst, src))
         return pairs
 
-    def _copy(self, entries, pairs: list[tuple[torch.Tensor, torch.Tensor]], checks: _Checks) -> None:
-        """Copy pair i's source bytes into entry i's destination and start checking the entries,
-        then wait until the copies are there (the checksums may still run). On a GPU a pair on one
-        device is copied and checksummed in one pass (copy_checksums_later, which sums the bytes it
-        copies: reading them once instead of twice is most of a same-node pull's speed);
-        other pairs' checksums queue behind their copies, and run while the peers are unmapped and
-        the READs are in flight."""
+    def _copy_same_node(
+        self, plan: dict[int, list[_Xfer]], sources: dict[int, WeightManifest], checks: _Checks
+    ) -> tuple[set[int], float]:
+        """Copy `plan`'s same-node sources through their opened memory, one source after another so
+        that mapping the next overlaps the copy of the previous. Returns the sources copied (the
+        others are left to NIXL) and the seconds spent opening and closing their memory."""
+        spent = 0.0
+        copying: list[tuple[int, torch.cuda.Event | None]] = []
+        try:
+            for r, xs in plan.items():
+                entries = [e for x in xs for e in x.items]
+                t = time.monotonic()
+                pairs = self._imports.open_all(sources[r], entries)
+                spent += time.monotonic() - t
+                if pairs is not None:
+                    copying.append((r, self._copy(entries, pairs, checks)))
+            self._imports.close_descriptors()  # while the copies run
+            for r, copied in copying:
+                _wait(copied)
+                # A process holding another's CUDA IPC memory cannot be checkpointed and restored
+                # (the driver API refuses), and a joiner may be parked later: close as soon as copied.
+                t = time.monotonic()
+                self._imports.close(sources[r].agent)
+                spent += time.monotonic() - t
+        except BaseException:
+            if copying and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no copy may still read what is closed below
+            raise
+        finally:
+            self._imports.close()  # what a failure left open, and prefetches no pull opened
+        return {r for r, _ in copying}, spent
+
+    def _copy(self, entries, pairs: list[tuple[torch.Tensor, torch.Tensor]], checks: _Checks):
+        """Copy pair i's source bytes into entry i's destination and start checking the entries.
+        Returns the event after which the copies are there (None on CPU: they already are); the
+        checksums may still run. On a GPU a pair on one device is copied and checksummed in one
+        pass (copy_checksums_later, which sums the bytes it copies: reading them once instead of
+        twice is most of a same-node pull's speed); other pairs' checksums queue behind their
+        copies, and run while the peers are unmapped and the READs are in flight."""
         one_pass = [fused_copy_ok(d, s) for d, s in pairs]
         rest = [i for i, f in enumerate(one_pass) if not f]
         for i in rest:
@@ -576,11 +601,11 @@ class WeightStore:
         checks.copy([entries[i] for i in fused], [pairs[i] for i in fused])
         if not (pairs and self.device.type == "cuda"):
             checks.start([entries[i] for i in rest])
-            return
+            return None
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(self.device))  # cross-GPU copies end on it too
         checks.start([entries[i] for i in rest])
-        copied.synchronize()
+        return copied
 
     def _load_source(self, m: WeightManifest) -> None:
         if m.agent in self._nixl.peers:
@@ -745,6 +770,7 @@ class WeightStore:
         self._export.close()
         self._progress()
         with self._pull_lock, self._nixl.lock:
+            self._imports.shutdown()
             if self._closed:
                 return
             self._closed = True

@@ -87,8 +87,11 @@ class PullStats(msgspec.Struct):
     transfer_seconds: float = 0.0  # first post to last completion
     verify_seconds: float = 0.0  # checksums still running after the last transfer (the rest overlapped it)
     ipc_bytes: int = 0  # of `bytes`, copied through CUDA IPC from same-node peers
-    map_seconds: float = 0.0  # of transfer_seconds, mapping and unmapping same-node peers' memory
-    copy_seconds: float = 0.0  # of transfer_seconds, same-node copies (this rank's own included), queued and waited for
+    # Of transfer_seconds: opening and closing same-node peers' memory (one source's copy runs
+    # while the next is opened), then the rest of the same-node phase: launching the copies (this
+    # rank's own included) and waiting for them.
+    map_seconds: float = 0.0
+    copy_seconds: float = 0.0
     local_bytes: int = 0  # of `bytes`, copied from the puller's own tensors (its rank was a source)
     lost: list[SourceLoss] = []  # sources given up on, when the puller may lose some (pull(partial=True))
 
