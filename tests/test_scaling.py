@@ -310,6 +310,9 @@ class Ranks:
     async def release(self, rank: int, op: str, graceful: bool = True) -> None:
         pass
 
+    def settled(self, op: str) -> None:
+        pass
+
 
 async def dies_mid_pull(ranks: Ranks, rank: int, msg: m.PullWeights) -> m.ControlReply:
     """The first pull: rank 2 dies as it starts; its reads end once the puller is told (as a

@@ -85,6 +85,10 @@ class CapacityProvider(Protocol):
         """A serving rank was found dead or stalled: make sure it can never act again (a stalled
         process that resumed would serve a topology that no longer exists), whoever started it."""
 
+    def settled(self, op: str) -> None:
+        """Operation `op` ended (done, rolled back or aborted): work held back so that it would
+        not compete with the operation's joiners may start now."""
+
     async def close(self) -> None: ...
 
 
@@ -209,7 +213,6 @@ class LocalProvider:
                 started_how,
                 f" with fault {fault}" if fault else "",
             )
-        self._refill()  # for the copies taken, or those of a snapshot no longer chosen
         if failed:
             raise failed[0]
         return how
@@ -505,6 +508,12 @@ class LocalProvider:
                 log.info("[op %s] Worker.%d (pid %d) is already gone", op, rank, pid)
                 return
             log.warning("[op %s] Worker.%d (pid %d) fenced: SIGKILL", op, rank, pid)
+
+    def settled(self, op: str) -> None:
+        # Replacing the copies taken (or those of a snapshot no longer chosen) waits for the
+        # operation's end: a CRIU restore writes the whole image into memory, and on a 2-core
+        # machine it ran beside the joiner's weight pull and slowed it.
+        self._refill()
 
     async def close(self) -> None:
         with self._standby_lock:

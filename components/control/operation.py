@@ -823,6 +823,8 @@ class Operation:
                 self.record.error = error
                 await self.abort(error)
                 self.transition(Phase.ABORTED, error)
+        finally:
+            self.provider.settled(self.id)
         return self.topology
 
 
