@@ -50,10 +50,6 @@ class MoETransformer(nn.Module):
         for _, moe in self.moe_layers:
             moe(x)
 
-    def weight_names(self) -> list[str]:
-        """Non-expert weights, by checkpoint name (a tied lm_head appears once)."""
-        return [n for n, _ in self.named_parameters()]
-
     def load_dense(self, ckpt: Checkpoint) -> None:
         with torch.no_grad():
             for name, p in self.named_parameters():

@@ -154,7 +154,7 @@ class WeightStore:
     """One rank's weights, registered with one NIXL agent once (addresses never change).
 
     As a source: ``manifest()`` describes (and checksums) tensors for a puller and starts the serve
-    thread; ``pulls_done()``/``wait_pulled()`` report pullers' completion notifications.
+    thread; ``pulls_done()`` reports pullers' completion notifications.
     As a joiner: ``pull()`` READs tensors from sources' manifests into this store's tensors."""
 
     def __init__(
@@ -315,23 +315,6 @@ class WeightStore:
             self._collect_notifs()
             out, self._done = self._done, []
             return out
-
-    def wait_pulled(self, ranks: Iterable[int], timeout_s: float = 60.0) -> dict[int, PullDone]:
-        """Wait until every puller rank in `ranks` has sent its completion notification."""
-        want = set(ranks)
-        got: dict[int, PullDone] = {}
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for m in self.pulls_done():
-                if m.rank in want:
-                    got[m.rank] = m
-            if want.issubset(got):
-                return got
-            if time.monotonic() > deadline:
-                raise WeightTransferError(
-                    f"rank {self.rank}: no completion from puller ranks {sorted(want - set(got))} after {timeout_s}s"
-                )
-            time.sleep(0.002)
 
     # ------------------------------------------------------------------ joiner side
 
