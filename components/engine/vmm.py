@@ -262,8 +262,9 @@ class VmmArena:
     def lend(self) -> Iterator[list[tuple[int, int, int]]]:
         """(offset, size, fd) per chunk of the mapped memory, to send to an importer, held under
         the arena's lock so a release cannot free them meanwhile. Exported on the first use after
-        each mapping (0.7-1.0 ms a chunk measured on an H200 once NIXL has registered the arena)
-        and kept until `unlend()`, a release or close."""
+        each mapping (0.7-1.0 ms a chunk measured in bench.weight_pull's sources on an H200, whose
+        arenas NIXL had registered; 0.05 ms in a bare process) and kept until `unlend()`, a
+        release or close."""
         self._check_open()
         if not self.shareable:
             raise VmmError("this device cannot export VMM memory as POSIX file descriptors")
