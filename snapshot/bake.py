@@ -104,7 +104,7 @@ def target_for(model_dir: str | os.PathLike | None, cfg=None, **fields) -> Snaps
     import torch
 
     from components.engine.checkpoint import Checkpoint
-    from components.engine.rank import DTYPES, context_length
+    from components.engine.rank import DTYPES, context_length, ep_transport
     from components.protocol.placement import slots_needed
 
     if cfg is None:
@@ -124,11 +124,14 @@ def target_for(model_dir: str | os.PathLike | None, cfg=None, **fields) -> Snaps
         driver_version=drv,
         cuda_graph_sizes=_graph_sizes(cfg),
         batch_invariant=cfg.batch_invariant,
+        ep_transport=ep_transport(cfg, torch.device(cfg.device)),
     )
 
 
 def target_for_engine(eng) -> SnapshotTarget:
     """The SnapshotTarget of a live EngineRank."""
+    from components.engine.rank import ep_transport
+
     mc, cfg = eng.model_config, eng.cfg
     device_type, drv = device_info(str(eng.device))
     return SnapshotTarget(
@@ -144,6 +147,7 @@ def target_for_engine(eng) -> SnapshotTarget:
         driver_version=drv,
         cuda_graph_sizes=sorted(eng.graphs.sizes) if eng.graphs else [],
         batch_invariant=cfg.batch_invariant,
+        ep_transport=ep_transport(cfg, eng.device),
     )
 
 

@@ -62,6 +62,9 @@ class SnapshotTarget(msgspec.Struct, kw_only=True):
     driver_version: str = ""  # cuDriverGetVersion() on CUDA, "" on CPU
     cuda_graph_sizes: list[int] = []
     batch_invariant: bool = True  # the scheduling policy is built into a baked engine
+    # The MoE exchange, resolved (rank.ep_transport): every rank of a group must run the same one.
+    # Snapshots from before the field were all "nixl" (the criu tier refused the windows on CUDA).
+    ep_transport: str = "nixl"
 
 
 class SnapshotManifest(SnapshotTarget, kw_only=True, forbid_unknown_fields=True):

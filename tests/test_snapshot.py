@@ -283,6 +283,11 @@ def test_other_model_and_max_ranks_are_refused(builtin_snap, builtin_target, sto
     mixed = msgspec.structs.replace(builtin_target, batch_invariant=False)
     with pytest.raises(SnapshotMismatch, match=r"batch_invariant is True in the snapshot, False here$"):
         check_compatible(builtin_snap[0], mixed)
+    # A rank restored with another MoE exchange than its peers' could not join their group.
+    assert m.ep_transport == builtin_target.ep_transport == "nixl"  # on CPU there is no other
+    windows = msgspec.structs.replace(builtin_target, ep_transport="window")
+    with pytest.raises(SnapshotMismatch, match=r"ep_transport is nixl in the snapshot, window here$"):
+        check_compatible(builtin_snap[0], windows)
     # A CUDA image restores only on the GPU and driver it was baked on.
     baked = msgspec.structs.replace(m, device_type="NVIDIA H200", driver_version="13000")
     here = msgspec.structs.replace(baked, device_type="NVIDIA H100 80GB HBM3", driver_version="12080")
@@ -298,6 +303,25 @@ def test_other_model_and_max_ranks_are_refused(builtin_snap, builtin_target, sto
     assert "model_identity" in refused[str(path)]
     remove_snapshot(path)
     assert not path.exists()
+
+
+def test_ep_transport_is_resolved_as_a_rank_resolves_it(monkeypatch):
+    """The snapshot's field is the exchange the engine runs, not the option as written: "auto"
+    takes the windows only where every rank can have a GPU of its own (or MPS runs)."""
+    import torch
+
+    from components.engine.rank import ep_transport
+    from snapshot.bake import rank_config
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/nonexistent")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    cuda = torch.device("cuda", 0)
+    assert ep_transport(rank_config("cpu", ep_transport="window"), torch.device("cpu")) == "nixl"
+    assert ep_transport(rank_config("cuda", ep_transport="window", max_ranks=16), cuda) == "window"
+    assert ep_transport(rank_config("cuda", ep_transport="nixl", max_ranks=4), cuda) == "nixl"
+    assert ep_transport(rank_config("cuda", max_ranks=8), cuda) == "window"  # auto, a GPU each
+    assert ep_transport(rank_config("cuda", max_ranks=16), cuda) == "nixl"  # auto, GPUs shared
+    assert target_for(None, device="cpu").ep_transport == "nixl"
 
 
 def test_write_snapshot_is_atomic_and_refuses_overwrite(tmp_path, builtin_snap):

@@ -148,16 +148,22 @@ def mps_running() -> bool:
     return os.path.exists(os.path.join(pipes, "control"))
 
 
-def ep_communicator(cfg: RankConfig, device: torch.device, mc, dtype: torch.dtype, capacity_bytes: int):
-    """NIXL for the host-side collectives; on CUDA with `ep_transport` "window", or "auto" where
-    no two of `max_ranks` ranks share a GPU or MPS runs them side by side, the MoE exchange
-    through same-node peer windows too. (Under MPS a CUDA checkpoint is refused, so parked ranks
+def ep_transport(cfg: RankConfig, device: torch.device) -> str:
+    """The MoE exchange a rank of `cfg` runs on `device`: "window" (same-node peer windows) on CUDA
+    with `ep_transport` "window", or "auto" where no two of `max_ranks` ranks share a GPU or MPS
+    runs them side by side; else "nixl". (Under MPS a CUDA checkpoint is refused, so parked ranks
     stay resident there.)"""
-    host = nixl_comm(cfg.rank, cfg.max_ranks, capacity_bytes, cfg.ep_timeout_s)
     if device.type != "cuda":
-        return host
+        return "nixl"
     side_by_side = cfg.max_ranks <= torch.cuda.device_count() or mps_running()
-    if not (cfg.ep_transport == "window" or (cfg.ep_transport == "auto" and side_by_side)):
+    return "window" if cfg.ep_transport == "window" or (cfg.ep_transport == "auto" and side_by_side) else "nixl"
+
+
+def ep_communicator(cfg: RankConfig, device: torch.device, mc, dtype: torch.dtype, capacity_bytes: int):
+    """NIXL for the host-side collectives; with the "window" transport (`ep_transport`), the MoE
+    exchange through same-node peer windows too."""
+    host = nixl_comm(cfg.rank, cfg.max_ranks, capacity_bytes, cfg.ep_timeout_s)
+    if ep_transport(cfg, device) != "window":
         return host
     from components.engine.ep_window import PeerWindows, WindowCommunicator
     from components.engine.same_node import node_id
