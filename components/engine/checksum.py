@@ -80,8 +80,13 @@ def _kernel_checksums(ts: list[torch.Tensor], block_rows: int | None = None) -> 
     from . import checksum_kernel as ck  # Triton is imported only where a GPU checksums
 
     words = [_words(t) for t in ts]
-    sums, owner = ck.block_sums(words, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS)
-    total = torch.zeros(len(ts), 3, dtype=torch.int64, device=sums.device).index_add_(0, owner, sums)
+    return _combine(*ck.block_sums(words, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS), len(ts))
+
+
+def _combine(sums: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int64 checksums from the kernels' per-block (column sum, column-weighted, row-weighted)
+    sums, block i belonging to tensor owner[i]."""
+    total = torch.zeros(n, 3, dtype=torch.int64, device=sums.device).index_add_(0, owner, sums)
     return total[:, 0] + total[:, 1] * _MIX_COL + total[:, 2] * _MIX_ROW
 
 
@@ -153,9 +158,7 @@ def _copy_kernel_checksums(
     words, by the copying kernel (no sync)."""
     from . import checksum_kernel as ck
 
-    sums, owner = ck.copy_block_sums(pairs, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS)
-    total = torch.zeros(len(pairs), 3, dtype=torch.int64, device=sums.device).index_add_(0, owner, sums)
-    return total[:, 0] + total[:, 1] * _MIX_COL + total[:, 2] * _MIX_ROW
+    return _combine(*ck.copy_block_sums(pairs, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS), len(pairs))
 
 
 def warm_kernels(device: torch.device) -> None:

@@ -49,6 +49,13 @@ _COPY_WARPS = 8
 
 
 @triton.jit
+def _row_weights(phase, rows, ROW_MOD: tl.constexpr):
+    """Weights of the rows `phase` + `rows` (phase < ROW_MOD, rows < ROW_MOD: one wrap at most)."""
+    rw = phase + rows
+    return tl.where(rw >= ROW_MOD, rw - ROW_MOD, rw) + 1
+
+
+@triton.jit
 def _block_sums(
     table,
     out,
@@ -73,8 +80,7 @@ def _block_sums(
     for row in range(0, tl.cdiv(n, COLS), ROWS):
         start = row * COLS
         w = tl.load(words + start + offs, mask=in_row & (offs < n - start), other=0).to(tl.int64)
-        rw = phase + r
-        rw = tl.where(rw >= ROW_MOD, rw - ROW_MOD, rw) + 1
+        rw = _row_weights(phase, r, ROW_MOD)
         # Over the tile's rows, which one thread holds per lane: no data crosses threads here.
         col_acc += tl.sum(w, axis=0)
         row_acc += tl.sum(w * rw[:, None].to(tl.int64), axis=0)
@@ -90,8 +96,7 @@ def _copy_tile(s, d, j, mask, phase, lane_row, sum_acc, row_acc, ROW_MOD: tl.con
     (`phase`) plus its row in the tile."""
     w = tl.load(s + j, mask=mask, other=0)
     tl.store(d + j, w, mask=mask)
-    rw = phase + lane_row
-    rw = tl.where(rw >= ROW_MOD, rw - ROW_MOD, rw) + 1
+    rw = _row_weights(phase, lane_row, ROW_MOD)
     w = w.to(tl.int64)
     return sum_acc + w, row_acc + w * rw.to(tl.int64)
 
