@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from components.engine import stack_reserve
 from components.engine.vmm import VmmArena, VmmError, VmmExporter, VmmImport, place_engine_memory, receive
 from harness.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 
@@ -179,8 +180,10 @@ def test_vmm_rank_matches_transformers_across_release_and_restore(tmp_path):
 
         eng.pause().result(30)
         free0 = torch.cuda.mem_get_info()[0]
+        stack = stack_reserve.per_thread(eng.device)
         eng.call(eng.release_memory).result(30)
-        assert not arena.mapped and torch.cuda.mem_get_info()[0] > free0
+        assert not arena.mapped and torch.cuda.mem_get_info()[0] > free0 + arena.nbytes
+        assert stack_reserve.per_thread(eng.device) < stack  # the checkpoint would save the reserve
 
         def refill():
             eng.restore_memory()
@@ -189,6 +192,7 @@ def test_vmm_rank_matches_transformers_across_release_and_restore(tmp_path):
 
         eng.call(refill).result(60)
         assert arena.mapped and [p.data_ptr() for _, p in eng.model.named_parameters()] == ptrs
+        assert stack_reserve.per_thread(eng.device) == stack
         eng.resume().result(30)
         tokens2, _ = generate(eng, PROMPTS, MAX_NEW, ignore_eos=True)
         assert tokens2 == ref_tokens

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import msgspec
 import torch
 
+from components.engine import stack_reserve
 from components.engine.checkpoint import Checkpoint
 from components.engine.ep_comm import EPCommunicator, EPError
 from components.engine.expert_map import ExpertMap
@@ -211,6 +212,7 @@ class EngineRank:
             mc.num_layers, cfg.max_seqs + 1, self.max_len, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
         self.arena = None  # VmmArena holding params, expert slots and KV when cfg.vmm on CUDA
+        self._stack_per_thread: int | None = None  # stack_reserve's limit while memory is released
         if cfg.vmm and self.device.type == "cuda":
             from components.engine.vmm import place_engine_memory
 
@@ -311,19 +313,24 @@ class EngineRank:
         return time.perf_counter() - t0
 
     def release_memory(self) -> None:
-        """Free the physical memory of weights, expert slots and KV (addresses kept). Call only
-        while this rank is not stepping (paused or not started); the caller pauses."""
+        """Free the physical memory of weights, expert slots and KV (addresses kept), and the
+        context's stack reserve (stack_reserve.py). Call only while this rank is not stepping
+        (paused or not started); the caller pauses."""
         if self.arena is None:
             raise RuntimeError("release_memory needs RankConfig(vmm=True) on a CUDA device")
         torch.cuda.synchronize(self.device)
         self.arena.release()
+        self._stack_per_thread = stack_reserve.lower(self.device)
 
     def restore_memory(self) -> None:
-        """Map fresh memory at the same addresses and zero the KV cache; the caller refills the
-        weights (from peers, or model.load_dense + load_experts) before the next step."""
+        """Map fresh memory at the same addresses, give back the stack reserve and zero the KV
+        cache; the caller refills the weights (from peers, or model.load_dense + load_experts) before the next step."""
         if self.arena is None:
             raise RuntimeError("restore_memory needs RankConfig(vmm=True) on a CUDA device")
         self.arena.remap()
+        if self._stack_per_thread is not None:
+            stack_reserve.restore(self.device, self._stack_per_thread)
+            self._stack_per_thread = None
         for t in self.kv.k + self.kv.v:
             t.zero_()
 

@@ -1,0 +1,44 @@
+"""The CUDA context's stack reserve: local memory for every thread the GPU can hold at once.
+
+The driver sizes it as the per-thread stack limit (1 KiB by default) times every resident thread
+slot, grows it when a kernel needs more, and never shrinks it by itself: 277 MB on an H200, as
+much device memory as a CUDA checkpoint moves for the rest of a released worker's context.
+Measured on the H200 (probe in docs/design.md): halving the limit freed 138 MB at once.
+
+A rank lowers the limit while its memory is released (parked, or baked into a snapshot), so
+neither the checkpoint nor the image holds the reserve, and sets it back before it steps again:
+the driver would regrow it on the first launch anyway, but then inside the first decode step.
+`cuda.bindings` is imported lazily, so this module imports anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .vmm import _check, _driver
+
+
+def _limit(device: torch.device, value: int | None = None) -> int:
+    d = _driver()
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()  # the primary context is current, and no kernel is using the reserve
+        if value is not None:
+            _check(d, "cuCtxSetLimit(CU_LIMIT_STACK_SIZE)", d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE, value))
+        return int(_check(d, "cuCtxGetLimit(CU_LIMIT_STACK_SIZE)", d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE)))
+
+
+def lower(device: torch.device) -> int:
+    """Shrink the reserve to the least the driver keeps; returns the per-thread limit it had."""
+    before = _limit(device)
+    _limit(device, 0)
+    return before
+
+
+def restore(device: torch.device, per_thread: int) -> None:
+    """Set the per-thread limit back to `per_thread` (what `lower` returned): the reserve is
+    allocated again now, not in the next kernel launch."""
+    _limit(device, per_thread)
+
+
+def per_thread(device: torch.device) -> int:
+    return _limit(device)
