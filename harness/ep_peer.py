@@ -7,6 +7,7 @@ they received as a JSON file the test checks against `payload()`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import logging
@@ -43,6 +44,19 @@ def payload(tag: str, i: int, src: int, dst: int, cap: int) -> torch.Tensor:
 def digest(t: torch.Tensor) -> list:
     b = t.cpu().numpy().tobytes()
     return [len(b), hashlib.sha256(b).hexdigest()]
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the pages under a CPU tensor that are in memory (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    n = -(-(t.data_ptr() + t.numel() * t.element_size() - start) // page)
+    vec = ctypes.create_string_buffer(n)
+    if libc.mincore(start, n * page, vec) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return sum(b & 1 for b in vec.raw) * page
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -225,6 +239,7 @@ def scenario_park(p: Peer) -> None:
         p.comm.set_active([1], 1)
         p.comm.disconnect([0])
         p.comm.suspend()
+        p.result["resident_after_suspend"] = resident_bytes(p.comm._recv) + resident_bytes(p.comm._send)
         p.result["suspended_metadata"] = p.comm.metadata().hex()
         try:
             p.comm.connect({0: (p.dir / "meta-0.bin").read_bytes()})

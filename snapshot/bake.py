@@ -10,7 +10,6 @@ decode batch size, which on CUDA replays the decode graphs captured at construct
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -220,37 +219,15 @@ def warm(cfg, model_dir: str, on_step=lambda desc: None):
     return eng, ready
 
 
-MADV_DONTNEED = 4
-
-
-def drop_pages(tensors) -> int:
-    """Give back the physical pages of CPU tensors whose contents do not matter to a restored
-    copy: weights (it pulls them) and the KV cache (zeros, and read only where written). Linux
-    refills a dropped anonymous page with zeros when it is next touched, and CRIU dumps only
-    pages present, so the image holds neither. Only pages wholly inside a tensor are dropped.
-    Returns the bytes dropped."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for t in tensors:
-        start = -(-t.data_ptr() // page) * page
-        end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-        if end > start:
-            if libc.madvise(start, end - start, MADV_DONTNEED) != 0:
-                raise OSError(ctypes.get_errno(), f"madvise: {os.strerror(ctypes.get_errno())}")
-            total += end - start
-    return total
-
-
 def warm_for_image(spec: BakeSpec):
     """In the process to be dumped: warm up, give back the memory of weights and KV cache (CPU:
     their pages dropped; CUDA: the VMM arena holding them released, its addresses kept, so the
-    CUDA checkpoint holds none of it either), drop the NIXL agent (UCX's state is not CRIU's to
-    dump, and its name is no copy's to keep), then say so through `spec.ready`. Returns the
-    engine."""
+    CUDA checkpoint holds none of it either), suspend the EP communicator (no NIXL agent: UCX's
+    state is not CRIU's to dump, and its name is no copy's to keep; its host buffers' pages given
+    back), then say so through `spec.ready`. Returns the engine."""
     import torch
 
+    from components.engine import host_pages
     from components.engine.rank import RankConfig
 
     eng, ready = warm(msgspec.convert(spec.config, RankConfig), spec.model_dir)
@@ -269,7 +246,8 @@ def warm_for_image(spec: BakeSpec):
             "reserved": torch.cuda.memory_reserved(eng.device),
         }
     else:
-        ready.warm["pages_dropped_bytes"] = drop_pages([*eng.weight_tensors().values(), *eng.kv.k, *eng.kv.v])
+        # Weights (a restored copy pulls them) and the KV cache (zeros, read only where written).
+        ready.warm["pages_dropped_bytes"] = host_pages.drop([*eng.weight_tensors().values(), *eng.kv.k, *eng.kv.v])
     eng.comm.suspend()
     tmp = Path(spec.ready + ".tmp")
     tmp.write_bytes(msgspec.json.encode(ready))

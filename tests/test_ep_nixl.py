@@ -142,6 +142,8 @@ def test_a_parked_rank_suspends_and_resumes_with_the_same_buffers(tmp_path):
         assert [rnd["active"] for rnd in res["rounds"] if rnd["tag"] == "after"] == [[0, 1]] * 4
     assert results[1]["renamed"] and not results[0]["renamed"]
     assert results[1]["suspended_metadata"] == ""
+    # Its buffers' pages were given back: at most the two partial pages at each buffer's ends.
+    assert results[1]["resident_after_suspend"] <= 4 * os.sysconf("SC_PAGE_SIZE")
     assert results[1]["errors"]["connect_suspended"] == (
         "EPError: rank 1: communicator is suspended (parked); resume() it first"
     )

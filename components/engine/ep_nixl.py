@@ -49,6 +49,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 import torch
 
+from . import host_pages
 from .ep_comm import EPError
 from .nixl_agent import NixlAgent, NixlError, PeerMetadataError, nixl_memory
 
@@ -209,13 +210,17 @@ class NixlCommunicator:
     def suspend(self) -> None:
         """Drop every peer and the NIXL agent, UCX context included, keeping the buffers at their
         addresses: a parked process then holds no transport state (CUDA IPC mappings, streams,
-        pinned staging) under a CUDA checkpoint. Until resume() only this rank may be active."""
+        pinned staging) under a CUDA checkpoint. Host buffers give back their pages too (their
+        contents are read only after a peer's notification, which needs an agent), so neither a
+        parked process nor a snapshot image holds them: 67 MB at max_ranks 4 for a
+        Mixtral-shaped model. Until resume() only this rank may be active."""
         with self._lock:
             self._check_open()
             self._active = tuple(r for r in self._active if r == self.rank)
             self._drop_agent()
             self._metadata = b""  # nothing to connect to until resume()
-            log.info("%s: suspended (no NIXL agent)", self.name)
+            dropped = host_pages.drop([self._recv, self._send]) if self.device.type == "cpu" else 0
+            log.info("%s: suspended (no NIXL agent; %d MB of buffer pages given back)", self.name, dropped >> 20)
 
     def resume(self) -> None:
         """A fresh agent over the same buffers, under a new name: peers may still know the old one."""
