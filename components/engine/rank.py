@@ -320,7 +320,8 @@ class EngineRank:
             raise RuntimeError("release_memory needs RankConfig(vmm=True) on a CUDA device")
         torch.cuda.synchronize(self.device)
         self.arena.release()
-        self._stack_per_thread = stack_reserve.lower(self.device)
+        if self._stack_per_thread is None:  # released twice: keep the limit from before the first
+            self._stack_per_thread = stack_reserve.lower(self.device)
 
     def restore_memory(self) -> None:
         """Map fresh memory at the same addresses, give back the stack reserve and zero the KV
