@@ -1,9 +1,9 @@
 """The CUDA context's stack reserve: local memory for every thread the GPU can hold at once.
 
 The driver sizes it as the per-thread stack limit (1 KiB by default) times every resident thread
-slot, grows it when a kernel needs more, and never shrinks it by itself: 277 MB on an H200, as
-much device memory as a CUDA checkpoint moves for the rest of a released worker's context.
-Measured on the H200 (probe in docs/design.md): halving the limit freed 138 MB at once.
+slot, grows it when a kernel needs more, and never shrinks it by itself: 277 MB on an H200,
+over a third of the device memory a CUDA checkpoint of a released worker moved (docs/design.md,
+"What a restore costs"; halving the limit freed 138 MB at once).
 
 A rank lowers the limit while its memory is released (parked, or baked into a snapshot), so
 neither the checkpoint nor the image holds the reserve, and sets it back before it steps again:
