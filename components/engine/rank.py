@@ -324,8 +324,9 @@ class EngineRank:
             self._stack_per_thread = stack_reserve.lower(self.device)
 
     def restore_memory(self) -> None:
-        """Map fresh memory at the same addresses, give back the stack reserve and zero the KV
-        cache; the caller refills the weights (from peers, or model.load_dense + load_experts) before the next step."""
+        """Map fresh memory at the same addresses, set the stack reserve back (stack_reserve.py)
+        and zero the KV cache; the caller refills the weights (from peers, or model.load_dense +
+        load_experts) before the next step."""
         if self.arena is None:
             raise RuntimeError("restore_memory needs RankConfig(vmm=True) on a CUDA device")
         self.arena.remap()

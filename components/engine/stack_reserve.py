@@ -19,19 +19,19 @@ from .vmm import _check, _driver
 
 
 def _limit(device: torch.device, value: int | None = None) -> int:
+    """The per-thread limit, then set to `value` if one is given."""
     d = _driver()
     with torch.cuda.device(device):
         torch.cuda.synchronize()  # the primary context is current, and no kernel is using the reserve
+        had = int(_check(d, "cuCtxGetLimit(CU_LIMIT_STACK_SIZE)", d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE)))
         if value is not None:
             _check(d, "cuCtxSetLimit(CU_LIMIT_STACK_SIZE)", d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE, value))
-        return int(_check(d, "cuCtxGetLimit(CU_LIMIT_STACK_SIZE)", d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE)))
+        return had
 
 
 def lower(device: torch.device) -> int:
     """Shrink the reserve to the least the driver keeps; returns the per-thread limit it had."""
-    before = _limit(device)
-    _limit(device, 0)
-    return before
+    return _limit(device, 0)
 
 
 def restore(device: torch.device, per_thread: int) -> None:
