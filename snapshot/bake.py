@@ -238,7 +238,6 @@ def warm_for_image(spec: BakeSpec):
             # Its mailbox exporter listens on an abstract socket every copy would restore.
             raise SnapshotError("the criu tier on CUDA needs the NIXL EP transport (ep_transport=nixl)")
         eng.release_memory()
-        torch.cuda.empty_cache()  # the allocator's free blocks would be checkpointed too
         ready.warm["arena_released_bytes"] = eng.arena.nbytes
         # What the CUDA checkpoint still moves into the image, beside the driver's own state.
         ready.warm["torch_device_bytes"] = {

@@ -74,10 +74,10 @@ def check_kernel(device: str, block_rows: int) -> None:
 
     ts = {k: v.to(device) for k, v in cases(block_rows).items()}
     want = {k: int(_checksum_torch(v)) for k, v in ts.items()}
-    got = dict(zip(ts, _kernel_checksums(list(ts.values()), block_rows).tolist()))
+    got = dict(zip(ts, _kernel_checksums(list(ts.values()), block_rows)()))
     assert got == want, [k for k in ts if got[k] != want[k]]
     for k, v in ts.items():
-        assert _kernel_checksums([v], block_rows).tolist() == [want[k]], k
+        assert _kernel_checksums([v], block_rows)() == [want[k]], k
 
 
 def check_copy_kernel(device: str, block_rows: int) -> None:
@@ -97,7 +97,7 @@ def check_copy_kernel(device: str, block_rows: int) -> None:
         pairs.append((dst[d_at : d_at + w.numel()], s))
         s_at += (w.numel() + 3) // 4 * 4 + 4
         d_at += (w.numel() + 3) // 4 * 4 + 8
-    got = _copy_kernel_checksums(pairs, block_rows).tolist()
+    got = _copy_kernel_checksums(pairs, block_rows)()
     assert got == [int(_checksum_torch(w)) for w in words]
     untouched = torch.ones(size, dtype=torch.bool, device=device)
     for d, s in pairs:
@@ -117,7 +117,7 @@ def _interpreted() -> None:
     from components.engine.checksum_kernel import BLOCK_ROWS
 
     x = torch.randint(-(2**31), 2**31 - 1, (2 * BLOCK_ROWS * 251 + 300,), dtype=torch.int32)
-    assert _kernel_checksums([x]).tolist() == [int(_checksum_torch(x))]
+    assert _kernel_checksums([x])() == [int(_checksum_torch(x))]
 
 
 def test_checksum_is_the_weighted_word_sums():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 _CHUNK_WORDS = 251 * (1 << 14)  # checksum chunk (a whole number of 251-word rows): bounds temporaries
@@ -75,19 +76,28 @@ def _checksum_torch(t: torch.Tensor) -> torch.Tensor:
     return cols.sum() + (cols * colw).sum() * _MIX_COL + rowacc * _MIX_ROW
 
 
-def _kernel_checksums(ts: list[torch.Tensor], block_rows: int | None = None) -> torch.Tensor:
-    """[len(ts)] int64 checksums of contiguous tensors on one device, by the Triton kernel (no sync)."""
+def _kernel_checksums(ts: list[torch.Tensor], block_rows: int | None = None) -> Callable[[], list[int]]:
+    """checksum() of contiguous tensors on one device by the Triton kernel, queued (no sync): the
+    call returned waits for them."""
     from . import checksum_kernel as ck  # Triton is imported only where a GPU checksums
 
     words = [_words(t) for t in ts]
-    return _combine(*ck.block_sums(words, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS), len(ts))
+    sums, owner = ck.block_sums(words, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS)
+    return lambda: _combine(sums, owner, len(ts))
 
 
-def _combine(sums: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:
-    """[n] int64 checksums from the kernels' per-block (column sum, column-weighted, row-weighted)
-    sums, block i belonging to tensor owner[i]."""
-    total = torch.zeros(n, 3, dtype=torch.int64, device=sums.device).index_add_(0, owner, sums)
-    return total[:, 0] + total[:, 1] * _MIX_COL + total[:, 2] * _MIX_ROW
+def _combine(sums: torch.Tensor, owner: np.ndarray, n: int) -> list[int]:
+    """n checksums from the kernels' per-block (column sum, column-weighted, row-weighted) sums,
+    block i belonging to tensor owner[i]. Waits for the kernels: the sums are mixed on the host,
+    as torch ops on the device would load modules a snapshot's image then carries
+    (checksum_kernel.copy_block_sums)."""
+    total = np.zeros((n, 3), dtype=np.int64)
+    np.add.at(total, owner, sums.cpu().numpy())  # int64 sums wrap, in numpy as on the device
+    out = []
+    for s, c, r in total.tolist():
+        v = (s + c * _MIX_COL + r * _MIX_ROW) % (1 << 64)
+        out.append(v - (1 << 64) if v >= 1 << 63 else v)
+    return out
 
 
 def checksum(t: torch.Tensor) -> int:
@@ -110,8 +120,8 @@ def checksums_later(ts: Iterable[torch.Tensor]) -> Callable[[], list[int]]:
     def wait() -> list[int]:
         out = [0] * len(ts)
         for d, idx in by_dev.items():
-            vals = on_gpu[d] if d in on_gpu else torch.stack([_checksum_torch(ts[i]) for i in idx])
-            for i, v in zip(idx, vals.tolist()):
+            vals = on_gpu[d]() if d in on_gpu else torch.stack([_checksum_torch(ts[i]) for i in idx]).tolist()
+            for i, v in zip(idx, vals):
                 out[i] = int(v)
         return out
 
@@ -147,18 +157,18 @@ def copy_checksums_later(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Call
             raise ValueError(f"cannot copy and checksum {s.nbytes} bytes at {s.data_ptr():#x} in one pass")
     if not pairs:
         return lambda: []
-    vals = _copy_kernel_checksums(pairs)
-    return lambda: [int(v) for v in vals.tolist()]
+    return _copy_kernel_checksums(pairs)
 
 
 def _copy_kernel_checksums(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], block_rows: int | None = None
-) -> torch.Tensor:
-    """[len(pairs)] int64 checksums of the bytes each (destination, source) pair copies, as 32-bit
-    words, by the copying kernel (no sync)."""
+) -> Callable[[], list[int]]:
+    """checksum() of the bytes each (destination, source) pair copies, as 32-bit words, by the
+    copying kernel, queued (no sync): the call returned waits for them."""
     from . import checksum_kernel as ck
 
-    return _combine(*ck.copy_block_sums(pairs, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS), len(pairs))
+    sums, owner = ck.copy_block_sums(pairs, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS)
+    return lambda: _combine(sums, owner, len(pairs))
 
 
 def warm_kernels(device: torch.device) -> None:

@@ -7,8 +7,9 @@ are order-free, so any split of the words into blocks gives the same totals.
 
 Why it is built this way:
 
-* One program sums one block of BLOCK_ROWS whole rows; a table on the device says where each
-  block's words are (address, count, the row weight its first row starts at, which tensor), so
+* One program sums one block of BLOCK_ROWS whole rows; a table built on the host (numpy: no
+  torch kernel to load, see copy_block_sums) and copied to the device says where each block's
+  words are (address, count, the row weight its first row starts at, which tensor), so
   every block of every tensor of one word type is one launch: checksums() of a model's thousands
   of tensors costs a few launches, not thousands.
 * A block is read as tiles of [ROWS, 256] words with a row stride of 251 (lanes 251..255 masked):
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -141,27 +143,34 @@ def _copy_block_sums(
     tl.store(out + pid * 3 + 2, tl.sum(row_acc))
 
 
-def _blocks(blocks: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For tensors of blocks[i] blocks each, every block in order: (its tensor's index, its number
-    within that tensor). `total` (the sum of `blocks`) saves a device sync where it is known."""
-    owner = torch.repeat_interleave(torch.arange(blocks.numel(), device=blocks.device), blocks, output_size=total)
-    return owner, torch.arange(owner.numel(), device=blocks.device) - (blocks.cumsum(0) - blocks)[owner]
+    within that tensor)."""
+    owner = np.repeat(np.arange(blocks.size), blocks)
+    return owner, np.arange(owner.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)
 
 
-def _table(words: list[torch.Tensor], idx: list[int], cols: int, row_mod: int, block_rows: int) -> torch.Tensor:
-    """[blocks, 4] int64 on the host: (address, words, row phase, tensor index) of each block of the
-    words[i] for i in idx, a tensor's blocks in order."""
+def _to_device(table: np.ndarray, dev: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(table)
+    if dev.type == "cuda":
+        host = host.pin_memory()  # the copy is then asynchronous, like the kernels behind it
+    return host.to(dev, non_blocking=True)
+
+
+def _table(words: list[torch.Tensor], idx: list[int], cols: int, row_mod: int, block_rows: int) -> np.ndarray:
+    """[blocks, 4] int64: (address, words, row phase, tensor index) of each block of the words[i]
+    for i in idx, a tensor's blocks in order."""
     block = block_rows * cols
-    n = torch.tensor([words[i].numel() for i in idx], dtype=torch.int64)
-    addr = torch.tensor([words[i].data_ptr() for i in idx], dtype=torch.int64)
-    size = torch.tensor([words[i].element_size() for i in idx], dtype=torch.int64)
+    n = np.array([words[i].numel() for i in idx], dtype=np.int64)
+    addr = np.array([words[i].data_ptr() for i in idx], dtype=np.int64)
+    size = np.array([words[i].element_size() for i in idx], dtype=np.int64)
     owner, k = _blocks((n + block - 1) // block)
-    return torch.stack(
+    return np.stack(
         [
             addr[owner] + k * block * size[owner],
-            (n[owner] - k * block).clamp(max=block),
+            np.minimum(n[owner] - k * block, block),
             k * block_rows % row_mod,
-            torch.tensor(idx, dtype=torch.int64)[owner],
+            np.asarray(idx, dtype=np.int64)[owner],
         ],
         1,
     )
@@ -169,24 +178,22 @@ def _table(words: list[torch.Tensor], idx: list[int], cols: int, row_mod: int, b
 
 def block_sums(
     words: list[torch.Tensor], cols: int, row_mod: int, block_rows: int = BLOCK_ROWS
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, np.ndarray]:
     """(S, C, R) of every block of the 1-D word tensors `words` (int32, int16 or uint8, one
-    device), launched on the current stream without a sync: ([blocks, 3] int64, [blocks] index into
-    `words` of each block's tensor). The word tensors may be freed once this returns: the
-    allocator reuses their memory in stream order, after the kernels."""
+    device), launched on the current stream without a sync: ([blocks, 3] int64 on the device,
+    [blocks] index into `words` of each block's tensor, on the host). The word tensors may be
+    freed once this returns: the allocator reuses their memory in stream order, after the kernels."""
     dev = words[0].device
     groups: dict[torch.dtype, list[int]] = {}
     for i, w in enumerate(words):
         if w.numel():
             groups.setdefault(w.dtype, []).append(i)
     if not groups:
-        return torch.empty(0, 3, dtype=torch.int64, device=dev), torch.empty(0, dtype=torch.int64, device=dev)
+        return torch.empty(0, 3, dtype=torch.int64, device=dev), np.empty(0, dtype=np.int64)
     tables = [(dt, _table(words, idx, cols, row_mod, block_rows)) for dt, idx in groups.items()]
-    host = torch.cat([t for _, t in tables])
-    if dev.type == "cuda":
-        host = host.pin_memory()  # the copy is then asynchronous, like the kernels behind it
-    table = host.to(dev, non_blocking=True)
-    out = torch.empty(table.shape[0], 3, dtype=torch.int64, device=dev)
+    host = np.concatenate([t for _, t in tables])
+    table = _to_device(host, dev)
+    out = torch.empty(host.shape[0], 3, dtype=torch.int64, device=dev)
     start = 0
     with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():  # launch on the words' GPU
         for dt, t in tables:
@@ -202,17 +209,17 @@ def block_sums(
                 num_warps=_WARPS,
             )
             start = end
-    return out, table[:, 3]
+    return out, host[:, 3]
 
 
 def copy_block_sums(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], cols: int, row_mod: int, block_rows: int = BLOCK_ROWS
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, np.ndarray]:
     """Copy each (destination, source) pair's bytes, a whole number of 32-bit words, and sum them
     as words as block_sums does (same return), in one launch per pair of storages, on the current
     stream, no sync. Every tensor must be contiguous, on one device, and start a multiple of 16
     bytes into its storage (checksum.fused_copy_ok): the kernel is told its offsets are whole
-    16-byte vectors. Per pair only its offsets are read on the host (no views made): a pull hands
+    16-byte vectors. Per pair only its offsets are read from torch (no views made): a pull hands
     over hundreds of tensors, and its copies cannot start before the table is on the device."""
     dev = pairs[0][0].device
     block = block_rows * cols
@@ -225,24 +232,24 @@ def copy_block_sums(
                 ((s.data_ptr() - key[0]) // 4, (d.data_ptr() - key[1]) // 4, n, i, (n + block - 1) // block)
             )
     if not groups:
-        return torch.empty(0, 3, dtype=torch.int64, device=dev), torch.empty(0, dtype=torch.int64, device=dev)
-    # Each group's blocks, in the table's order: one launch per pair of storages.
+        return torch.empty(0, 3, dtype=torch.int64, device=dev), np.empty(0, dtype=np.int64)
+    # Each group's blocks, in the table's order: one launch per pair of storages. The rows are
+    # expanded into blocks on the host, not by torch ops on the device: a torch kernel's first
+    # launch loads its module, and the driver keeps host memory for it that a snapshot's image
+    # carries. With the expansion (and checksum._combine) as torch ops on an H200, the checksum
+    # warm-up grew a fresh process by 182 MB; in numpy, by nothing measurable.
     group_blocks = [sum(r[4] for r in rows) for rows in groups.values()]
-    # Per pair one row goes to the device, which expands it into its blocks' rows: the host's
-    # share does not grow with the bytes.
-    host = torch.tensor([r for rows in groups.values() for r in rows], dtype=torch.int64)
-    if dev.type == "cuda":
-        host = host.pin_memory()
-    on_dev = host.to(dev, non_blocking=True)
-    owner, k = _blocks(on_dev[:, 4], total=sum(group_blocks))
+    rows = np.array([r for rs in groups.values() for r in rs], dtype=np.int64)
+    owner, k = _blocks(rows[:, 4])
     k = k * block  # block start, in words
-    t = on_dev[owner]
-    table = torch.stack([t[:, 0] + k, t[:, 1] + k, (t[:, 2] - k).clamp(max=block), k // cols % row_mod, t[:, 3]], 1)
-    out = torch.empty(table.shape[0], 3, dtype=torch.int64, device=dev)
+    t = rows[owner]
+    host = np.stack([t[:, 0] + k, t[:, 1] + k, np.minimum(t[:, 2] - k, block), k // cols % row_mod, t[:, 3]], 1)
+    table = _to_device(host, dev)
+    out = torch.empty(host.shape[0], 3, dtype=torch.int64, device=dev)
     start = 0
     with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():
-        for rows, n_blocks in zip(groups.values(), group_blocks):
-            d, s = pairs[rows[0][3]]
+        for rs, n_blocks in zip(groups.values(), group_blocks):
+            d, s = pairs[rs[0][3]]
             end = start + n_blocks
             _copy_block_sums[(n_blocks,)](
                 _storage_words(s),
@@ -256,7 +263,7 @@ def copy_block_sums(
                 num_warps=_COPY_WARPS,
             )
             start = end
-    return out, table[:, 4]
+    return out, host[:, 4]
 
 
 def _storage_words(t: torch.Tensor) -> torch.Tensor:

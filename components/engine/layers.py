@@ -127,11 +127,15 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, max_len: int):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        # Computed on the host, then moved to the default device: on a GPU the first launch of
+        # each of these ops, which serving never runs again, would load its kernel module, and
+        # the driver keeps about 100 MB of host memory for them, carried by every snapshot image.
+        dev, cpu = torch.get_default_device(), torch.device("cpu")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos().to(dev), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dev), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)

@@ -313,15 +313,23 @@ class EngineRank:
         return time.perf_counter() - t0
 
     def release_memory(self) -> None:
-        """Free the physical memory of weights, expert slots and KV (addresses kept), and the
-        context's stack reserve (stack_reserve.py). Call only while this rank is not stepping
-        (paused or not started); the caller pauses."""
+        """Free the physical memory of weights, expert slots and KV (addresses kept), the
+        context's stack reserve (stack_reserve.py), cuBLAS's workspaces and torch's free cached
+        blocks: a CUDA checkpoint (parked rank, snapshot image) saves whatever device memory is
+        left. Call only while this rank is not stepping (paused or not started); the caller pauses."""
         if self.arena is None:
             raise RuntimeError("release_memory needs RankConfig(vmm=True) on a CUDA device")
         torch.cuda.synchronize(self.device)
         self.arena.release()
         if self._stack_per_thread is None:  # released twice: keep the limit from before the first
             self._stack_per_thread = stack_reserve.lower(self.device)
+        # cuBLAS keeps a 32 MiB workspace for each stream it ran on (64 MiB here: the default and
+        # the warm-up stream); the next matmul on a stream allocates it again. The capture
+        # stream's, which the graphs' kernels were captured with, is freed into the graphs' own
+        # pool, which stays reserved while they live and serves only captures into it (none after
+        # DecodeGraphs is built; recapture starts a new pool).
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
 
     def restore_memory(self) -> None:
         """Map fresh memory at the same addresses, set the stack reserve back (stack_reserve.py)
