@@ -88,11 +88,13 @@ def _kernel_checksums(ts: list[torch.Tensor], block_rows: int | None = None) -> 
 
 def _combine(sums: torch.Tensor, owner: np.ndarray, n: int) -> list[int]:
     """n checksums from the kernels' per-block (column sum, column-weighted, row-weighted) sums,
-    block i belonging to tensor owner[i]. Waits for the kernels: the sums are mixed on the host,
-    as torch ops on the device would load modules a snapshot's image then carries
-    (checksum_kernel.copy_block_sums)."""
+    block i belonging to tensor owner[i] (a tensor's blocks consecutive). Waits for the kernels:
+    the sums are mixed on the host, as torch ops on the device would load modules a snapshot's
+    image then carries (checksum_kernel.copy_block_sums)."""
     total = np.zeros((n, 3), dtype=np.int64)
-    np.add.at(total, owner, sums.cpu().numpy())  # int64 sums wrap, in numpy as on the device
+    if owner.size:  # each tensor's blocks are consecutive: one run each, summed at once
+        starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+        total[owner[starts]] = np.add.reduceat(sums.cpu().numpy(), starts)  # int64 wraps, as on the device
     out = []
     for s, c, r in total.tolist():
         v = (s + c * _MIX_COL + r * _MIX_ROW) % (1 << 64)

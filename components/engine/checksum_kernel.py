@@ -143,11 +143,9 @@ def _copy_block_sums(
     tl.store(out + pid * 3 + 2, tl.sum(row_acc))
 
 
-def _blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For tensors of blocks[i] blocks each, every block in order: (its tensor's index, its number
-    within that tensor)."""
-    owner = np.repeat(np.arange(blocks.size), blocks)
-    return owner, np.arange(owner.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+def _block_numbers(blocks: np.ndarray) -> np.ndarray:
+    """For tensors of blocks[i] blocks each, every block in order: its number within its tensor."""
+    return np.arange(blocks.sum()) - np.repeat(np.cumsum(blocks) - blocks, blocks)
 
 
 def _to_device(table: np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -164,13 +162,14 @@ def _table(words: list[torch.Tensor], idx: list[int], cols: int, row_mod: int, b
     n = np.array([words[i].numel() for i in idx], dtype=np.int64)
     addr = np.array([words[i].data_ptr() for i in idx], dtype=np.int64)
     size = np.array([words[i].element_size() for i in idx], dtype=np.int64)
-    owner, k = _blocks((n + block - 1) // block)
+    blocks = (n + block - 1) // block
+    k = _block_numbers(blocks) * block  # each block's first word
     return np.stack(
         [
-            addr[owner] + k * block * size[owner],
-            np.minimum(n[owner] - k * block, block),
-            k * block_rows % row_mod,
-            np.asarray(idx, dtype=np.int64)[owner],
+            np.repeat(addr, blocks) + k * np.repeat(size, blocks),
+            np.minimum(np.repeat(n, blocks) - k, block),
+            k // cols % row_mod,
+            np.repeat(np.asarray(idx, dtype=np.int64), blocks),
         ],
         1,
     )
@@ -240,10 +239,13 @@ def copy_block_sums(
     # warm-up grew a fresh process by 182 MB; in numpy, by nothing measurable.
     group_blocks = [sum(r[4] for r in rows) for rows in groups.values()]
     rows = np.array([r for rs in groups.values() for r in rs], dtype=np.int64)
-    owner, k = _blocks(rows[:, 4])
-    k = k * block  # block start, in words
-    t = rows[owner]
-    host = np.stack([t[:, 0] + k, t[:, 1] + k, np.minimum(t[:, 2] - k, block), k // cols % row_mod, t[:, 3]], 1)
+    host = np.repeat(rows, rows[:, 4], axis=0)  # a pair's row for each of its blocks, then made the block's
+    k = _block_numbers(rows[:, 4]) * block  # each block's first word
+    host[:, 0] += k
+    host[:, 1] += k
+    np.minimum(host[:, 2] - k, block, out=host[:, 2])
+    host[:, 4] = host[:, 3]
+    host[:, 3] = k // cols % row_mod
     table = _to_device(host, dev)
     out = torch.empty(host.shape[0], 3, dtype=torch.int64, device=dev)
     start = 0
