@@ -115,6 +115,11 @@ class ElasticEPBody(msgspec.Struct, forbid_unknown_fields=True):
 
 MAX_BODY_BYTES = 64 << 10
 ADOPT_SETTLE_S = 1.0
+# How often a wait for registrations looks at the endpoint's instances: instance_ids() reads the
+# client's watched set (no I/O), so polling it often costs nothing, while every poll interval is
+# time a joiner that registered waits to be found (at 0.1 s: 83-100 ms of each join, bench.join).
+DISCOVER_POLL_S = 0.01
+RETRY_DESCRIBE_S = 0.1  # an instance that failed to describe itself is asked again after this
 MAX_JSON_DEPTH = 8
 
 
@@ -148,6 +153,7 @@ class RouterService:
         self.instances: dict[int, int] = {}  # rank -> instance id
         self.statuses: dict[int, RankStatus] = {}
         self.last_seen: dict[int, float] = {}  # rank -> when it last answered (monotonic)
+        self._undescribed: dict[int, float] = {}  # instance id -> when it last failed to describe itself
         self._committed = Committed(epoch=0, active=[], placement=None)
         self.num_experts = 0
         self.load_base: dict[int, list[list[int]]] = {}  # per rank: expert load at the last rebalance
@@ -217,20 +223,26 @@ class RouterService:
                 raise ControlError(f"ranks {dead} died before registering")
             if time.monotonic() > deadline:
                 raise ControlError(f"ranks {missing} did not appear within {timeout:.0f} s")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(DISCOVER_POLL_S)
 
     async def scan(self) -> None:
         """Ask every registered instance not yet known which rank it is."""
         if self.client is None:
             self.client = await self.rt.endpoint(f"{self.ctx.namespace}.worker.control").client()
-        for iid in self.client.instance_ids():
+        ids = self.client.instance_ids()
+        self._undescribed = {i: t for i, t in self._undescribed.items() if i in ids}
+        for iid in ids:
             if iid in self.instances.values():
+                continue
+            if time.monotonic() - self._undescribed.get(iid, float("-inf")) < RETRY_DESCRIBE_S:
                 continue
             try:
                 st = await asyncio.wait_for(self._describe(iid), self.cfg.rank_timeout_s)
             except Exception as e:  # a stale entry of a rank that just went away, or a stalled one
                 log.debug("instance %x did not describe itself: %s", iid, e or type(e).__name__)
+                self._undescribed[iid] = time.monotonic()
                 continue
+            self._undescribed.pop(iid, None)
             self.instances[st.rank] = iid
             self.statuses[st.rank] = st
             self.last_seen[st.rank] = time.monotonic()
@@ -266,7 +278,7 @@ class RouterService:
         adopt it."""
         while not self.statuses:
             await self.scan()
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(DISCOVER_POLL_S)
         # Registrations appear together, but a stalled rank's describe takes its timeout: give
         # every instance the chance to answer before judging what the ranks serve.
         await asyncio.sleep(ADOPT_SETTLE_S)
