@@ -64,11 +64,25 @@ def _check_failure(criu: str) -> str | None:
     return f"`criu check` failed: {why[:300]}"
 
 
+# A CRIU found usable, by (path, inode, mtime, euid): `criu --version` and `criu check` take 70-120
+# ms, and the capacity provider asks at every scale-up that starts processes, before the first
+# restore. What they check (the binary, the kernel, root) does not change under a running
+# process; a CRIU found unusable is asked again, so one installed later is seen.
+_usable: dict[tuple[str, int, int, int], str] = {}
+
+
 def criu_status(criu: str | None = None) -> tuple[bool, str]:
     """(usable, one line saying what was found or what is missing)."""
     criu = criu or find_criu()
     if not criu:
         return False, NOT_INSTALLED
+    try:
+        st = os.stat(criu)
+    except OSError as e:  # ELASTIC_EP_CRIU naming nothing, say
+        return False, f"CRIU at {criu}: {e.strerror}"
+    key = (criu, st.st_ino, st.st_mtime_ns, os.geteuid())
+    if key in _usable:
+        return True, _usable[key]
     got = criu_version(criu)
     if got is None:
         return False, f"CRIU at {criu}: `criu --version` gave no version"
@@ -80,4 +94,5 @@ def criu_status(criu: str | None = None) -> tuple[bool, str]:
     failed = _check_failure(criu)
     if failed:
         return False, f"CRIU {shown} at {criu}: {failed}"
-    return True, f"CRIU {shown} at {criu}: `criu check` looks good"
+    _usable[key] = f"CRIU {shown} at {criu}: `criu check` looks good"
+    return True, _usable[key]

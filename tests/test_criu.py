@@ -420,11 +420,28 @@ def fake_criu(path: Path, body: str) -> str:
     return str(path)
 
 
+def test_a_usable_criu_is_checked_once(tmp_path):
+    """criu_status asks a CRIU that works once (the provider asks at every scale-up), one that
+    does not every time, and a changed binary again."""
+    calls = tmp_path / "calls"
+    body = 'echo "$1" >> {calls}\ncase $1 in --version) echo "Version: 4.1.1";; check) echo "Looks good.";; esac\n'
+    fake = fake_criu(tmp_path / "criu", body.format(calls=calls))
+    assert criu_status(fake) == criu_status(fake) == (True, f"CRIU 4.1.1 at {fake}: `criu check` looks good")
+    assert calls.read_text().split() == ["--version", "check"]
+    os.utime(fake, ns=(0, 0))  # another binary at the same path
+    assert criu_status(fake)[0] and calls.read_text().split() == ["--version", "check"] * 2
+    broken = fake_criu(tmp_path / "broken", f'echo "$1" >> {calls}\necho "Version: 4.1.1"; exit 1\n')
+    assert not criu_status(broken)[0] and not criu_status(broken)[0]
+    assert calls.read_text().split()[4:] == ["--version", "check"] * 2
+
+
 def test_criu_status_sentences(tmp_path, monkeypatch):
     fake = fake_criu(tmp_path / "criu", "echo 'Version: 3.17.1'\n")
     assert criu_status(fake) == (False, f"CRIU 3.17.1 at {fake}; the criu tier needs >= 4.0")
     fake_criu(tmp_path / "criu", "echo nothing\n")
     assert criu_status(fake) == (False, f"CRIU at {fake}: `criu --version` gave no version")
+    none = str(tmp_path / "none")
+    assert criu_status(none) == (False, f"CRIU at {none}: No such file or directory")
     fake_criu(
         tmp_path / "criu",
         'case $1 in --version) echo "Version: 4.1.1";;\n'
