@@ -5,7 +5,13 @@ them once and writes them once). A pull that copies and then verifies is bounded
 same-GPU weight pull runs) is measured end to end itself.
 
 `--tiles` times other kernel shapes, ROWSxWARPS/BLOCK_ROWS each (e.g. 8x4/512,16x4/512,8x4/1024);
-the first is what checksum_kernel.py uses. JSON: bench/results/checksum.json."""
+the first is what checksum_kernel.py uses. JSON: bench/results/checksum.json.
+
+`--host` (no GPU needed) times only the host's share of a copy-and-checksum pull of --gb GiB in
+--tensors tensors: building the copying kernel's block table (checksum_kernel.copy_table) and
+combining its per-block sums into checksums (checksum._combine), each the median of --repeat calls.
+Only the tensors' addresses are read, so their memory is never touched. JSON:
+bench/results/checksum_host.json."""
 
 from __future__ import annotations
 
@@ -16,7 +22,22 @@ import torch
 
 from bench.measure import median_ms, write_results
 from components.engine import checksum_kernel as ck
-from components.engine.checksum import _checksum_torch, checksums, copy_checksums_later
+from components.engine.checksum import _COLS, _ROW_MOD, _checksum_torch, _combine, checksums, copy_checksums_later
+
+
+def host_share(gb: float, tensors: int, repeat: int, out: Path) -> None:
+    words = int(gb * 2**30) // 4 // tensors * tensors
+    src, dst = (torch.empty(words, dtype=torch.int32) for _ in range(2))  # untouched: addresses only
+    pairs = list(zip(dst.view(tensors, -1), src.view(tensors, -1)))
+    table_ms = median_ms(lambda: ck.copy_table(pairs, _COLS, _ROW_MOD), repeat)
+    _, table = ck.copy_table(pairs, _COLS, _ROW_MOD)
+    sums = torch.zeros(table.shape[0], 3, dtype=torch.int64)
+    combine_ms = median_ms(lambda: _combine(sums, table[:, 4], tensors), repeat)
+    print(f"{words * 4 / 1e9:.2f} GB in {tensors} tensors: {table.shape[0]} blocks ({repeat} calls each, median)")
+    print("| host work | ms |\n|---|---|")
+    print(f"| block table (copy_table) | {table_ms:.3f} |\n| combine (checksum._combine) | {combine_ms:.3f} |")
+    rows = [{"step": "copy_table", "ms": table_ms}, {"step": "combine", "ms": combine_ms}]
+    write_results(out, {"bytes": words * 4, "tensors": tensors, "blocks": int(table.shape[0]), "rows": rows})
 
 
 def main() -> None:
@@ -24,8 +45,13 @@ def main() -> None:
     p.add_argument("--gb", type=float, default=8.0, help="GiB checksummed per measurement")
     p.add_argument("--tiles", default=f"{ck._ROWS}x{ck._WARPS}/{ck.BLOCK_ROWS}")
     p.add_argument("--repeat", type=int, default=10)
-    p.add_argument("--out", type=Path, default=Path("bench/results/checksum.json"))
+    p.add_argument("--host", action="store_true", help="only the host's share of a pull (no GPU needed)")
+    p.add_argument("--tensors", type=int, default=300, help="--host: tensors the --gb GiB are split into")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/checksum.json (checksum_host.json)")
     args = p.parse_args()
+    if args.host:
+        return host_share(args.gb, args.tensors, args.repeat, args.out or Path("bench/results/checksum_host.json"))
+    args.out = args.out or Path("bench/results/checksum.json")
 
     n = int(args.gb * 2**30) // 4 * 4
     data = torch.randint(-(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device="cuda")

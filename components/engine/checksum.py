@@ -94,12 +94,9 @@ def _combine(sums: torch.Tensor, owner: np.ndarray, n: int) -> list[int]:
     total = np.zeros((n, 3), dtype=np.int64)
     if owner.size:  # each tensor's blocks are consecutive: one run each, summed at once
         starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
-        total[owner[starts]] = np.add.reduceat(sums.cpu().numpy(), starts)  # int64 wraps, as on the device
-    out = []
-    for s, c, r in total.tolist():
-        v = (s + c * _MIX_COL + r * _MIX_ROW) % (1 << 64)
-        out.append(v - (1 << 64) if v >= 1 << 63 else v)
-    return out
+        total[owner[starts]] = np.add.reduceat(sums.cpu().numpy(), starts)
+    # numpy's int64 arithmetic on arrays wraps mod 2**64, as torch's does on the device.
+    return (total * np.array([1, _MIX_COL, _MIX_ROW], dtype=np.int64)).sum(1).tolist()
 
 
 def checksum(t: torch.Tensor) -> int:

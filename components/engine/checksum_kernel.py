@@ -8,7 +8,7 @@ are order-free, so any split of the words into blocks gives the same totals.
 Why it is built this way:
 
 * One program sums one block of BLOCK_ROWS whole rows; a table built on the host (numpy: no
-  torch kernel to load, see copy_block_sums) and copied to the device says where each block's
+  torch kernel to load, see copy_table) and copied to the device says where each block's
   words are (address, count, the row weight its first row starts at, which tensor), so
   every block of every tensor of one word type is one launch: checksums() of a model's thousands
   of tensors costs a few launches, not thousands.
@@ -211,16 +211,20 @@ def block_sums(
     return out, host[:, 3]
 
 
-def copy_block_sums(
+def copy_table(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], cols: int, row_mod: int, block_rows: int = BLOCK_ROWS
-) -> tuple[torch.Tensor, np.ndarray]:
-    """Copy each (destination, source) pair's bytes, a whole number of 32-bit words, and sum them
-    as words as block_sums does (same return), in one launch per pair of storages, on the current
-    stream, no sync. Every tensor must be contiguous, on one device, and start a multiple of 16
-    bytes into its storage (checksum.fused_copy_ok): the kernel is told its offsets are whole
-    16-byte vectors. Per pair only its offsets are read from torch (no views made): a pull hands
-    over hundreds of tensors, and its copies cannot start before the table is on the device."""
-    dev = pairs[0][0].device
+) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """copy_block_sums's work on the host: ([(a pair in each pair of storages, its blocks)], the
+    [blocks, 5] int64 table: per block its source and destination offsets in words, its words,
+    the row weight its first row starts at, and its pair), the blocks of one pair of storages
+    consecutive, in the list's order. Per pair only its offsets are read from torch (no views
+    made): a pull hands over hundreds of tensors, and its copies cannot start before the table is
+    on the device.
+
+    The rows are expanded into blocks here, not by torch ops on the device: a torch kernel's first
+    launch loads its module, and the driver keeps host memory for it that a snapshot's image
+    carries. With the expansion (and checksum._combine) as torch ops on an H200, the checksum
+    warm-up grew a fresh process by 182 MB; in numpy, by nothing measurable."""
     block = block_rows * cols
     # storages -> per pair: (source and destination offsets in words, words, pair, blocks)
     groups: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
@@ -230,15 +234,8 @@ def copy_block_sums(
             groups.setdefault(key, []).append(
                 ((s.data_ptr() - key[0]) // 4, (d.data_ptr() - key[1]) // 4, n, i, (n + block - 1) // block)
             )
-    if not groups:
-        return torch.empty(0, 3, dtype=torch.int64, device=dev), np.empty(0, dtype=np.int64)
-    # Each group's blocks, in the table's order: one launch per pair of storages. The rows are
-    # expanded into blocks on the host, not by torch ops on the device: a torch kernel's first
-    # launch loads its module, and the driver keeps host memory for it that a snapshot's image
-    # carries. With the expansion (and checksum._combine) as torch ops on an H200, the checksum
-    # warm-up grew a fresh process by 182 MB; in numpy, by nothing measurable.
-    group_blocks = [sum(r[4] for r in rows) for rows in groups.values()]
-    rows = np.array([r for rs in groups.values() for r in rs], dtype=np.int64)
+    launches = [(rows[0][3], sum(r[4] for r in rows)) for rows in groups.values()]
+    rows = np.array([r for rs in groups.values() for r in rs], dtype=np.int64).reshape(-1, 5)
     host = np.repeat(rows, rows[:, 4], axis=0)  # a pair's row for each of its blocks, then made the block's
     k = _block_numbers(rows[:, 4]) * block  # each block's first word
     host[:, 0] += k
@@ -246,12 +243,27 @@ def copy_block_sums(
     np.minimum(host[:, 2] - k, block, out=host[:, 2])
     host[:, 4] = host[:, 3]
     host[:, 3] = k // cols % row_mod
+    return launches, host
+
+
+def copy_block_sums(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], cols: int, row_mod: int, block_rows: int = BLOCK_ROWS
+) -> tuple[torch.Tensor, np.ndarray]:
+    """Copy each (destination, source) pair's bytes, a whole number of 32-bit words, and sum them
+    as words as block_sums does (same return), in one launch per pair of storages, on the current
+    stream, no sync. Every tensor must be contiguous, on one device, and start a multiple of 16
+    bytes into its storage (checksum.fused_copy_ok): the kernel is told its offsets are whole
+    16-byte vectors."""
+    dev = pairs[0][0].device
+    launches, host = copy_table(pairs, cols, row_mod, block_rows)
+    if not launches:
+        return torch.empty(0, 3, dtype=torch.int64, device=dev), np.empty(0, dtype=np.int64)
     table = _to_device(host, dev)
     out = torch.empty(host.shape[0], 3, dtype=torch.int64, device=dev)
     start = 0
     with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():
-        for rs, n_blocks in zip(groups.values(), group_blocks):
-            d, s = pairs[rs[0][3]]
+        for pair, n_blocks in launches:
+            d, s = pairs[pair]
             end = start + n_blocks
             _copy_block_sums[(n_blocks,)](
                 _storage_words(s),
