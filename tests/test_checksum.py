@@ -106,6 +106,27 @@ def check_copy_kernel(device: str, block_rows: int) -> None:
     assert bool((dst[untouched] == -7).all())
 
 
+def test_copy_table_covers_every_word_of_every_pair_once():
+    """The copying kernel's table (built on the host): each pair's words in whole blocks from its
+    own offsets, the row weight each block starts at, one launch per pair of storages with that
+    pair's blocks consecutive, and empty pairs left out."""
+    from components.engine.checksum_kernel import copy_table
+
+    cols, row_mod, block_rows = 251, 257, 2
+    block = cols * block_rows
+    a, b, c, d = (torch.zeros(20 * block, dtype=torch.int32) for _ in range(4))
+    pairs = [(b[4:9], a[8:13]), (d[:0], c[:0]), (b[100 : 100 + 3 * block + 7], a[40 : 40 + 3 * block + 7])]
+    pairs.append((d[16 : 16 + block], c[:block]))  # another pair of storages: its own launch
+    launches, table = copy_table(pairs, cols, row_mod, block_rows)
+    want = []
+    for i, (dst, src) in enumerate(pairs):
+        for k in range(0, dst.numel(), block):
+            phase = k // cols % row_mod
+            want.append([src.storage_offset() + k, dst.storage_offset() + k, min(block, dst.numel() - k), phase, i])
+    assert table.tolist() == want
+    assert launches == [(0, 1 + 4), (3, 1)]
+
+
 def _interpreted() -> None:
     """Run in the subprocess: the kernel interpreted on CPU tensors, small blocks and the real size."""
     from harness.triton_interpreter import enable
