@@ -20,6 +20,7 @@ from components.graph.component import (
 )
 from components.graph.spawn import graph_output
 from components.worker.component import Worker, started_for
+from components.worker.presence import Presence
 from components.worker.server import RankServer
 
 log = logging.getLogger("components.worker")
@@ -164,6 +165,7 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
         f"serving {server.model_name!r} (instance {server.gen_ep.connection_id():x}), waiting for the router",
     )
     server.gen_client = await server.gen_ep.client()
+    server.presence = Presence(server.gen_ep, server.gen_client, server.generate)
     ctl = asyncio.ensure_future(server.ctl_ep.serve_endpoint(server.control))
     exit_wait = asyncio.ensure_future(server.exit.wait())
     try:

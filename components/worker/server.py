@@ -46,6 +46,7 @@ from components.protocol.messages import (
 )
 from components.worker.component import Faults, Worker, model_source, rank_config, started_for
 from components.worker.generate_request import to_request, usage
+from components.worker.presence import Presence
 from components.worker.rules import ANY_STATE, HOLDING_WEIGHTS, IN_COMMITS, RULES, StateError, allowed, handles, refusal
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class RankServer:
         self.store = None
         self.stores_opened = 0
         self.gen_ep = self.ctl_ep = self.gen_client = None
-        self.serving: asyncio.Future | None = None  # the generate endpoint, once routable
+        self.presence: Presence | None = None  # in routing or not: the generate endpoint's listing
         self.streams: dict[str, asyncio.Queue] = {}  # request id -> its output queue
         self.exit = asyncio.Event()
 
@@ -360,16 +361,11 @@ class RankServer:
     )
     async def on_set_routable(self, msg: SetRoutable) -> None:
         if not msg.routable:
-            await self.gen_ep.unregister_endpoint_instance()
+            await self.presence.leave()
             self.routable.clear()
             self.advance(msg, RankState.LEAVING, "out of routing")
             return
-        if self.serving is None:
-            # Generate is first served here, not at start: until its group committed, a rank
-            # must not appear in routing even for a moment.
-            self.serving = asyncio.ensure_future(self.gen_ep.serve_endpoint(self.generate))
-        else:
-            await self.gen_ep.register_endpoint_instance()
+        await self.presence.enter()
         self.routable.set()
         # A scale-down that aborts puts its leaving ranks back: they never left the active set.
         self.advance(msg, RankState.ACTIVE, "back into routing")
