@@ -30,6 +30,7 @@ def runtime(tmp_path_factory):
         yield loop, rt
     finally:
         rt.shutdown()
+        loop.run_until_complete(asyncio.sleep(0.5))  # the runtime's last callbacks land on the loop
         loop.close()
 
 
