@@ -19,14 +19,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dynamo.runtime import Client, Endpoint
 
 POLL_S = 0.002  # instance_ids() reads the client's watched set: no I/O
 LISTING_TIMEOUT_S = 10.0
 
 
 class Presence:
-    def __init__(self, endpoint: Any, client: Any, handler: Callable, timeout_s: float = LISTING_TIMEOUT_S):
+    def __init__(self, endpoint: Endpoint, client: Client, handler: Callable, timeout_s: float = LISTING_TIMEOUT_S):
         self.endpoint, self.client, self.handler, self.timeout_s = endpoint, client, handler, timeout_s
         self.serving: asyncio.Future | None = None  # serve_endpoint, from the first enter on
         self._landed = False  # serve_endpoint's own registration was seen
