@@ -7,10 +7,12 @@ byte-for-byte against the same function.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -400,6 +402,40 @@ def test_pull_two_sources_gpu(tmp_path, memory):
                 f"\nGPU: pulled {stats.bytes / 2**20:.0f} MiB from 2 sources: {stats.gbps:.2f} GB/s end to end, "
                 f"{stats.bytes / stats.transfer_seconds / 1e9:.2f} GB/s transfer only"
             )
+    finally:
+        s.stop()
+
+
+@pytest.mark.gpu
+def test_a_region_that_cannot_be_opened_sends_its_source_to_nixl(tmp_path, caplog):
+    """Rank 0's largest region is copied first; another of its regions then fails to open (its
+    CUDA IPC handle zeroed in the manifest). Rank 0 is read over NIXL instead, after the copy
+    already launched from it, and every byte lands; rank 1 is still copied directly."""
+    s = Sources(tmp_path)
+    for r in (0, 1):
+        s.spawn(r, "--big-mb", str(BIG_MB), "--device", "cuda")
+    try:
+        m = {r: s.manifest(r) for r in (0, 1)}
+        sizes = {d.name: d.nbytes for d in m[0].tensors}
+        items = spread(NON_EXPERT, [0, 1], sizes)
+        from0 = sorted((it.src_name for it in items if it.src_rank == 0), key=sizes.get)
+        assert sizes[from0[0]] < sizes[from0[-1]]  # the one made to fail is not copied first
+        bad = next(d.addr for d in m[0].tensors if d.name == from0[0])
+        m[0] = msgspec.structs.replace(
+            m[0],
+            ipc=[
+                msgspec.structs.replace(g, handle=bytes(len(g.handle))) if g.base <= bad < g.base + g.nbytes else g
+                for g in m[0].ipc
+            ],
+        )
+        exp = make_weights(0, big_mb=BIG_MB)
+        dst = {n: torch.zeros_like(exp[n], device="cuda") for n in NON_EXPERT}
+        with caplog.at_level(logging.WARNING), WeightStore(7, dst, device="cuda") as local:
+            stats = local.pull(items, m, timeout_s=60)
+        for n in NON_EXPERT:
+            assert _same(dst[n], exp[n]), n
+        assert stats.ipc_bytes == stats.per_source[1] < stats.bytes
+        assert "cannot map rank 0's memory directly" in caplog.text
     finally:
         s.stop()
 

@@ -539,19 +539,30 @@ class WeightStore:
     def _copy_same_node(
         self, plan: dict[int, list[_Xfer]], sources: dict[int, WeightManifest], checks: _Checks
     ) -> tuple[set[int], float]:
-        """Copy `plan`'s same-node sources through their opened memory, one source after another so
-        that mapping the next overlaps the copy of the previous. Returns the sources copied (the
+        """Copy `plan`'s same-node sources through their opened memory, each batch of regions as it
+        is opened (SameNodeImports.open_regions), so that opening the next overlaps the copies
+        already launched. Returns the sources copied (the
         others are left to NIXL) and the seconds spent opening and closing their memory."""
         spent = 0.0
         copying: list[tuple[int, torch.cuda.Event | None]] = []
         try:
             for r, xs in plan.items():
-                entries = [e for x in xs for e in x.items]
-                t = time.monotonic()
-                pairs = self._imports.open_all(sources[r], entries)
-                spent += time.monotonic() - t
-                if pairs is not None:
-                    copying.append((r, self._copy(entries, pairs, checks)))
+                batches = self._imports.open_regions(sources[r], [e for x in xs for e in x.items])
+                copied = None
+                try:
+                    while True:
+                        t = time.monotonic()
+                        batch = next(batches, None)
+                        spent += time.monotonic() - t
+                        if batch is None:
+                            break
+                        copied = self._copy(*batch, checks)
+                except Exception as e:
+                    _wait(copied)  # NIXL writes these destinations again, and what they read is closed now
+                    log.warning("%s: cannot map rank %d's memory directly (%s); reading it over NIXL", self.name, r, e)
+                    self._imports.close(sources[r].agent)
+                    continue
+                copying.append((r, copied))
             self._imports.close_descriptors()  # while the copies run
             for r, copied in copying:
                 _wait(copied)
@@ -561,7 +572,7 @@ class WeightStore:
                 self._imports.close(sources[r].agent)
                 spent += time.monotonic() - t
         except BaseException:
-            if copying and self.device.type == "cuda":
+            if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # no copy may still read what is closed below
             raise
         finally:
