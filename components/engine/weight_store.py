@@ -63,7 +63,7 @@ from components.protocol.transfer import PullItem, PullStats, SourceLoss, Tensor
 
 from .checksum import checksums, checksums_later, copy_checksums_later, fused_copy_ok
 from .nixl_agent import NixlAgent, NixlError, PeerMetadataError, nixl_memory
-from .same_node import SameNodeExport, SameNodeImports, node_id
+from .same_node import Entry, SameNodeExport, SameNodeImports, node_id
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class _Xfer:
 
     def __init__(self, src: int):
         self.src = src
-        self.items: list[tuple[PullItem, TensorDesc, torch.Tensor]] = []
+        self.items: list[Entry] = []
         self.nbytes = 0
         self.handle = None
         self.state = "NEW"  # NEW -> PROC -> DONE | ERR
@@ -118,11 +118,11 @@ class _Checks:
     def __init__(self):
         self._started: list[tuple[list[str], Callable[[], list[int]]]] = []
 
-    def start(self, entries: list[tuple[PullItem, TensorDesc, torch.Tensor]]) -> None:
+    def start(self, entries: list[Entry]) -> None:
         if entries:
             self._started.append(([it.dst_name for it, _, _ in entries], checksums_later(t for _, _, t in entries)))
 
-    def copy(self, entries: list[tuple[PullItem, TensorDesc, torch.Tensor]], pairs) -> None:
+    def copy(self, entries: list[Entry], pairs) -> None:
         """Copy each (destination, source bytes) pair into its entry's destination and checksum the
         bytes in the same pass (copy_checksums_later: fused_copy_ok pairs)."""
         if entries:
@@ -469,7 +469,7 @@ class WeightStore:
                 raise WeightTransferError(f"tensor {missing[0]} from rank {self.rank}: this rank has no such tensor")
             index[self.rank] = {d.name: d for d in self._describe(own)}
 
-        by_src: dict[int, list[tuple[PullItem, TensorDesc, torch.Tensor]]] = {}
+        by_src: dict[int, list[Entry]] = {}
         seen_dst: set[str] = set()
         ranges: list[tuple[int, int, str]] = []
         for it in items:
@@ -541,8 +541,8 @@ class WeightStore:
     ) -> tuple[set[int], float]:
         """Copy `plan`'s same-node sources through their opened memory, each batch of regions as it
         is opened (SameNodeImports.open_regions), so that opening the next overlaps the copies
-        already launched. Returns the sources copied (the
-        others are left to NIXL) and the seconds spent opening and closing their memory."""
+        already launched. Returns the sources copied (the others are left to NIXL) and the seconds
+        spent opening and closing their memory."""
         spent = 0.0
         copying: list[tuple[int, torch.cuda.Event | None]] = []
         try:
