@@ -65,8 +65,8 @@ def main(argv=None) -> int:
         from harness.triton_interpreter import enable
 
         enable()  # before the kernel's module is imported
-    from components.engine.decode_attention import decode_attention
-    from components.engine.layers import gathered_decode
+    from components.engine.kernels.decode_attention import decode_attention
+    from components.engine.models.layers import gathered_decode
 
     timed = (lambda fn: graph_ms(fn, args.replays)) if args.device == "cuda" else (lambda fn: median_ms(fn, 1, 1))
     dev, dt = args.device, getattr(torch, args.dtype)

@@ -1,14 +1,14 @@
-"""Checksum throughput on a GPU: checksums() (the Triton kernel, checksum_kernel.py) over --gb GiB in
+"""Checksum throughput on a GPU: checksums() (the Triton kernel, kernels/checksum.py) over --gb GiB in
 each word type, beside the torch form it replaced and a device copy of the same bytes (which reads
 them once and writes them once). A pull that copies and then verifies is bounded by
 1 / (1 / copy + 1 / checksum); the "copy and checksum in one pass" row (copy_checksums_later, what a
 same-GPU weight pull runs) is measured end to end itself.
 
 `--tiles` times other kernel shapes, ROWSxWARPS/BLOCK_ROWS each (e.g. 8x4/512,16x4/512,8x4/1024);
-the first is what checksum_kernel.py uses. JSON: bench/results/checksum.json.
+the first is what kernels/checksum.py uses. JSON: bench/results/checksum.json.
 
 `--host` (no GPU needed) times only the host's share of a copy-and-checksum pull of --gb GiB in
---tensors tensors: building the copying kernel's block table (checksum_kernel.copy_table) and
+--tensors tensors: building the copying kernel's block table (kernels.checksum.copy_table) and
 combining its per-block sums into checksums (checksum._combine), each the median of --repeat calls.
 Only the tensors' addresses are read, so their memory is never touched. JSON:
 bench/results/checksum_host.json."""
@@ -21,8 +21,15 @@ from pathlib import Path
 import torch
 
 from bench.measure import median_ms, write_results
-from components.engine import checksum_kernel as ck
-from components.engine.checksum import _COLS, _ROW_MOD, _checksum_torch, _combine, checksums, copy_checksums_later
+from components.engine.kernels import checksum as ck
+from components.engine.weights.checksum import (
+    _COLS,
+    _ROW_MOD,
+    _checksum_torch,
+    _combine,
+    checksums,
+    copy_checksums_later,
+)
 
 
 def host_share(gb: float, tensors: int, repeat: int, out: Path) -> None:

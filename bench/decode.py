@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--model",
         default=None,
         help="Hugging Face checkpoint directory (Mixtral or Qwen2-MoE layout); default: the built-in "
-        "tiny model (components.engine.builtin.builtin_model_dir())",
+        "tiny model (components.engine.models.builtin.builtin_model_dir())",
     )
     ap.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts to run, one configuration each")
     ap.add_argument("--batch", default="8", help="comma-separated concurrent sequences per rank, one measurement each")
@@ -362,7 +362,7 @@ def main(argv=None) -> None:
     if args.model:
         model = str(Path(args.model).resolve())
     else:
-        from components.engine.builtin import builtin_model_dir
+        from components.engine.models.builtin import builtin_model_dir
 
         model = str(builtin_model_dir())
     argv_list = sys.argv[1:] if argv is None else list(argv)

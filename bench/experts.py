@@ -1,5 +1,5 @@
 """The experts of one MoE layer at decode sizes on one GPU: the engine's Triton kernels
-(components/engine/expert_gemm.py) beside torch._grouped_mm over rows sorted by slot and every
+(components/engine/kernels/expert_gemm.py) beside torch._grouped_mm over rows sorted by slot and every
 expert applied to every row as batched matmuls, each captured in a CUDA graph, beside the floor of
 reading every expert's weights once at `--hbm-gbps`.
 
@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from components.engine.expert_gemm import swiglu_experts
+    from components.engine.kernels.expert_gemm import swiglu_experts
 
     torch.manual_seed(0)
     S, H, I, dt = args.slots, args.hidden, args.ffn, torch.bfloat16

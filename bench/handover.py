@@ -30,7 +30,7 @@ def main() -> None:
     if not all(0 < k < args.max_tokens for k in cuts):
         p.error(f"--cuts must lie strictly between 0 and --max-tokens ({args.max_tokens})")
     if args.model is None:
-        from components.engine.builtin import builtin_model_dir
+        from components.engine.models.builtin import builtin_model_dir
 
         args.model = str(builtin_model_dir())
 

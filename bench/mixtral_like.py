@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from components.engine.builtin import builtin_model_dir
+from components.engine.models.builtin import builtin_model_dir
 
 
 def write(dest: Path, layers: int, hidden: int, intermediate: int, experts: int, heads: int, kv_heads: int) -> Path:

@@ -148,7 +148,7 @@ def graph_ms(eng, batch: int, replays: int) -> float | None:
 
 
 def graph_rows(eng, batch: int):
-    from components.engine.layers import StepRows
+    from components.engine.models.layers import StepRows
 
     slots = list(range(batch))
     # Distinct tokens, so that rows spread over the experts as a real batch's do (one token
@@ -188,7 +188,7 @@ def weight_bytes(eng) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from components.engine.builtin import builtin_model_dir
+    from components.engine.models.builtin import builtin_model_dir
     from harness.reference import single_rank, submit_all
 
     model = args.model or str(builtin_model_dir())

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from components.engine.weight_store import WeightStore
+from components.engine.weights.store import WeightStore
 from components.protocol.transfer import PullItem, spread
 from harness.weight_peer import NON_EXPERT, Sources, make_weights
 

@@ -76,7 +76,7 @@ def wait_files(paths: list[Path], timeout: float = 60.0) -> None:
 
 class Peer:
     def __init__(self, args):
-        from components.engine.ep_nixl import NixlCommunicator
+        from components.engine.exchange.nixl import NixlCommunicator
 
         self.args = args
         self.dir = Path(args.dir)

@@ -236,7 +236,7 @@ def tokenizer():
     if _TOKENIZER is None:
         from tokenizers import Tokenizer
 
-        from components.engine.builtin import builtin_model_dir
+        from components.engine.models.builtin import builtin_model_dir
 
         _TOKENIZER = Tokenizer.from_file(str(builtin_model_dir() / "tokenizer.json"))
     return _TOKENIZER
@@ -244,7 +244,7 @@ def tokenizer():
 
 def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 0, device: str = "cpu") -> list[str]:
     """Greedy output of the single-rank in-process engine on the built-in model, as text."""
-    from components.engine.builtin import builtin_model_dir
+    from components.engine.models.builtin import builtin_model_dir
     from harness.reference import generate, single_rank
 
     eng = single_rank(builtin_model_dir(), device=device, max_len=max_len)

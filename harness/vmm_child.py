@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from components.engine.rank import EngineRank, RankConfig  # noqa: E402
-from components.engine.weight_store import WeightStore  # noqa: E402
+from components.engine.weights.store import WeightStore  # noqa: E402
 from harness.reference import PROMPTS, submit_all  # noqa: E402
 
 

@@ -70,7 +70,7 @@ def fresh_like(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def in_arena(w: dict[str, torch.Tensor]):
     """The same weights moved into one CUDA VMM arena (slot views re-derived); (weights, arena)."""
-    from components.engine.vmm import VmmArena, plan_bytes
+    from components.engine.memory.vmm import VmmArena, plan_bytes
 
     whole = {k: v for k, v in w.items() if not k.startswith("experts.0.")}
     arena = VmmArena(plan_bytes((v.shape, v.dtype) for v in whole.values()), w["moe.w_gate"].device)
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[src {args.rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
 
-    from components.engine.weight_store import WeightStore
+    from components.engine.weights.store import WeightStore
     from components.protocol.transfer import encode_manifest
 
     d = Path(args.dir)

@@ -42,8 +42,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--silent-peer", type=int, default=-1, help="this peer never sends (timeout check)")
     args = ap.parse_args()
-    from components.engine.ep_window import PeerWindows, WindowMetadata
-    from components.engine.same_node import node_id
+    from components.engine.exchange.windows import PeerWindows, WindowMetadata
+    from components.engine.weights.same_node import node_id
 
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)

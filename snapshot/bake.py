@@ -78,7 +78,7 @@ def model_source(model_dir: str | os.PathLike | None, model_name: str = "") -> t
     """(checkpoint directory, model name); None/"" = the built-in model (as the worker does)."""
     if model_dir:
         return str(model_dir), model_name or Path(model_dir).resolve().name
-    from components.engine.builtin import BUILTIN_MODEL_NAME, builtin_model_dir
+    from components.engine.models.builtin import BUILTIN_MODEL_NAME, builtin_model_dir
 
     return str(builtin_model_dir()), model_name or BUILTIN_MODEL_NAME
 
@@ -102,7 +102,7 @@ def target_for(model_dir: str | os.PathLike | None, cfg=None, **fields) -> Snaps
     defaults) on this machine expects of a snapshot, computed without building the engine."""
     import torch
 
-    from components.engine.checkpoint import Checkpoint
+    from components.engine.models.checkpoint import Checkpoint
     from components.engine.rank import DTYPES, context_length, ep_transport
     from components.protocol.placement import slots_needed
 
@@ -153,7 +153,7 @@ def target_for_engine(eng) -> SnapshotTarget:
 def _check_redundant(model_dir: str, min_ranks: int, redundant: int) -> None:
     """The engine caps a rank's expert slots at the model's expert count; refuse the redundant
     experts that cap would silently drop rather than record a value that changed nothing."""
-    from components.engine.checkpoint import Checkpoint
+    from components.engine.models.checkpoint import Checkpoint
     from components.protocol.placement import slots_needed
 
     if redundant < 0:
@@ -227,12 +227,12 @@ def warm_for_image(spec: BakeSpec):
     back), then say so through `spec.ready`. Returns the engine."""
     import torch
 
-    from components.engine import host_pages
+    from components.engine.memory import host_pages
     from components.engine.rank import RankConfig
 
     eng, ready = warm(msgspec.convert(spec.config, RankConfig), spec.model_dir)
     if eng.device.type == "cuda":
-        from components.engine.ep_window import WindowCommunicator
+        from components.engine.exchange.windows import WindowCommunicator
 
         if isinstance(eng.comm, WindowCommunicator):
             # Its mailbox exporter listens on an abstract socket every copy would restore.

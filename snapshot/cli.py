@@ -92,7 +92,7 @@ def cmd_bake(a) -> int:
             raise UsageError("--device cuda: no CUDA GPU is available on this machine")
     if not 1 <= a.min_ranks <= a.max_ranks:
         raise UsageError(f"--min-ranks ({a.min_ranks}) must be in 1..--max-ranks ({a.max_ranks})")
-    from components.engine.checkpoint import CheckpointError
+    from components.engine.models.checkpoint import CheckpointError
     from snapshot.bake import WARMUP_FILE, bake
 
     try:

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.engine import builtin
-from components.engine.builtin import BUILTIN_MODEL_NAME, builtin_model_dir, write_builtin_model
-from components.engine.checkpoint import Checkpoint
+from components.engine.models import builtin
+from components.engine.models.builtin import BUILTIN_MODEL_NAME, builtin_model_dir, write_builtin_model
+from components.engine.models.checkpoint import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_transformers_loads(model_dir):
 
 def test_cache_race(tmp_path, model_dir):
     env = {**os.environ, "ELASTIC_EP_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
-    code = "from components.engine.builtin import builtin_model_dir; print(builtin_model_dir())"
+    code = "from components.engine.models.builtin import builtin_model_dir; print(builtin_model_dir())"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
     ]

@@ -6,16 +6,9 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from components.engine.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    dense_mlp_names,
-    expected_tensors,
-    expert_tensor_names,
-    router_name,
-    shared_expert_names,
-)
-from components.engine.config import ConfigError, ModelConfig
+from components.engine.models.checkpoint import Checkpoint, CheckpointError
+from components.engine.models.config import ConfigError, ModelConfig
+from components.engine.models.registry import config_from_dict, expected_tensors, family
 
 TINY = dict(
     vocab_size=64,
@@ -61,10 +54,10 @@ def reference(sd, cfg: ModelConfig, name: str) -> torch.Tensor:
     if name in sd:
         return sd[name]
     for i in range(cfg.num_layers):
-        if name == router_name(cfg, i):
+        if name == family(cfg).router_name(cfg, i):
             return sd[f"model.layers.{i}.mlp.gate.weight"]
         for e in range(cfg.num_experts):
-            names = expert_tensor_names(cfg, i, e) if cfg.sparse_layers[i] else ()
+            names = family(cfg).expert_tensors(cfg, i, e) if cfg.sparse_layers[i] else ()
             if name in names:
                 I = cfg.moe_intermediate_size
                 gate_up = sd[f"model.layers.{i}.mlp.experts.gate_up_proj"][e]
@@ -92,10 +85,9 @@ def test_mixtral_opens_and_matches(mixtral):
     assert c.norm_topk_prob and not c.qkv_bias and c.sparse_layers == (True,) * 3
     assert c.dense_intermediate_size == 0 and c.shared_expert_intermediate_size == 0
     assert (c.eos_token_ids, c.bos_token_id, c.dtype) == ((2,), 1, "float32")
-    assert expert_tensor_names(c, 2, 3) == tuple(
+    assert family(c).expert_tensors(c, 2, 3) == tuple(
         f"model.layers.2.block_sparse_moe.experts.3.{w}.weight" for w in ("w1", "w3", "w2")
     )
-    assert shared_expert_names(c, 0) is None
     assert_matches(ckpt, sd)
 
 
@@ -106,8 +98,10 @@ def test_qwen_opens_and_matches(qwen):
     assert c.architecture == "qwen2_moe" and c.qkv_bias and not c.norm_topk_prob
     assert c.sparse_layers == (True, False, True)
     assert (c.shared_expert_intermediate_size, c.dense_intermediate_size) == (40, 48)
-    assert dense_mlp_names(c, 1) == tuple(f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
-    assert shared_expert_names(c, 2)[3] == "model.layers.2.mlp.shared_expert_gate.weight"
+    assert family(c).dense_mlp_names(c, 1) == tuple(
+        f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up", "down")
+    )
+    assert family(c).shared_expert_names(c, 2)[3] == "model.layers.2.mlp.shared_expert_gate.weight"
     assert expected_tensors(c)["model.layers.0.mlp.shared_expert_gate.weight"] == (1, 32)
     assert "model.layers.1.mlp.gate.weight" not in expected_tensors(c)
     assert_matches(ckpt, sd)
@@ -134,7 +128,7 @@ def test_sharded_and_bf16(tmp_path):
     c = ckpt.config
     assert c.dtype == "bfloat16" and c.tie_word_embeddings and c.shared_expert_intermediate_size == 0
     assert "lm_head.weight" not in expected_tensors(c)
-    assert shared_expert_names(c, 0) is None
+    assert family(c).shared_expert_names(c, 0) is None
     assert_matches(ckpt, sd)
     assert_matches(ckpt, sd, dtype=torch.float32)
 
@@ -155,22 +149,22 @@ def test_sparse_layer_rule():
         "intermediate_size": 16,
         "num_hidden_layers": 6,
     }
-    rule = lambda **kw: ModelConfig.from_dict({**base, **kw}).sparse_layers
+    rule = lambda **kw: config_from_dict({**base, **kw}).sparse_layers
     assert rule(decoder_sparse_step=2, mlp_only_layers=[3]) == (False, True, False, False, False, True)
     assert rule(decoder_sparse_step=1, mlp_only_layers=[1]) == (True, False, True, True, True, True)
     assert rule(num_experts=0) == (False,) * 6
-    c = ModelConfig.from_dict({**base, "head_dim": None, "torch_dtype": "bfloat16", "eos_token_id": 5})
+    c = config_from_dict({**base, "head_dim": None, "torch_dtype": "bfloat16", "eos_token_id": 5})
     assert (c.head_dim, c.dtype, c.eos_token_ids, c.rope_theta) == (4, "bfloat16", (5,), 10000.0)
     assert (
         c.identity()
-        == ModelConfig.from_dict({**base, "head_dim": None, "torch_dtype": "bfloat16", "eos_token_id": 5}).identity()
+        == config_from_dict({**base, "head_dim": None, "torch_dtype": "bfloat16", "eos_token_id": 5}).identity()
     )
-    assert c.identity() != ModelConfig.from_dict(base).identity()
+    assert c.identity() != config_from_dict(base).identity()
     with pytest.raises(ConfigError, match="rope_type 'yarn'"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        config_from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ConfigError, match="sliding window"):
-        ModelConfig.from_dict({**base, "sliding_window": 4096, "use_sliding_window": True})
-    ModelConfig.from_dict({**base, "sliding_window": 4096, "use_sliding_window": False})
+        config_from_dict({**base, "sliding_window": 4096, "use_sliding_window": True})
+    config_from_dict({**base, "sliding_window": 4096, "use_sliding_window": False})
 
 
 @pytest.fixture

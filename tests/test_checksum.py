@@ -1,5 +1,5 @@
-"""The checksum (components/engine/checksum.py) is the three weighted word sums its docstring names,
-and its Triton kernel (checksum_kernel.py, what a GPU runs) gives the torch form's value bit for
+"""The checksum (components/engine/weights/checksum.py) is the three weighted word sums its docstring names,
+and its Triton kernel (kernels/checksum.py, what a GPU runs) gives the torch form's value bit for
 bit: for every word type, sizes around a row and a block, several blocks, unaligned views, many
 tensors at once. The kernel that copies and sums in one pass (a weight pull's same-node copies)
 copies every word, touches nothing else, and gives the same value. On the CPU the kernels run
@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from components.engine.checksum import _CHUNK_WORDS, _MIX_COL, _MIX_ROW, _checksum_torch, _words, checksum, checksums
+from components.engine.weights.checksum import (
+    _CHUNK_WORDS,
+    _MIX_COL,
+    _MIX_ROW,
+    _checksum_torch,
+    _words,
+    checksum,
+    checksums,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_BLOCK_ROWS = 16  # many blocks from small tensors (the interpreter is slow)
@@ -70,7 +78,7 @@ def cases(block_rows: int) -> dict[str, torch.Tensor]:
 
 def check_kernel(device: str, block_rows: int) -> None:
     """Every case alone and all of them in one call (three word types, empty ones between)."""
-    from components.engine.checksum import _kernel_checksums
+    from components.engine.weights.checksum import _kernel_checksums
 
     ts = {k: v.to(device) for k, v in cases(block_rows).items()}
     want = {k: int(_checksum_torch(v)) for k, v in ts.items()}
@@ -84,7 +92,7 @@ def check_copy_kernel(device: str, block_rows: int) -> None:
     """Every case of 32-bit words copied in one call, each from and to 16-byte aligned offsets of
     two buffers: copies equal to their sources, the words between them untouched, and each sum
     the checksum of its words."""
-    from components.engine.checksum import _copy_kernel_checksums
+    from components.engine.weights.checksum import _copy_kernel_checksums
 
     words = [w for w in (_words(v) for v in cases(block_rows).values()) if w.dtype == torch.int32]
     size = sum((w.numel() + 3) // 4 * 4 + 8 for w in words) + 8
@@ -110,7 +118,7 @@ def test_copy_table_covers_every_word_of_every_pair_once():
     """The copying kernel's table (built on the host): each pair's words in whole blocks from its
     own offsets, the row weight each block starts at, one launch per pair of storages with that
     pair's blocks consecutive, and empty pairs left out."""
-    from components.engine.checksum_kernel import copy_table
+    from components.engine.kernels.checksum import copy_table
 
     cols, row_mod, block_rows = 251, 257, 2
     block = cols * block_rows
@@ -134,8 +142,8 @@ def _interpreted() -> None:
     enable()
     check_kernel("cpu", SMALL_BLOCK_ROWS)
     check_copy_kernel("cpu", SMALL_BLOCK_ROWS)
-    from components.engine.checksum import _kernel_checksums
-    from components.engine.checksum_kernel import BLOCK_ROWS
+    from components.engine.kernels.checksum import BLOCK_ROWS
+    from components.engine.weights.checksum import _kernel_checksums
 
     x = torch.randint(-(2**31), 2**31 - 1, (2 * BLOCK_ROWS * 251 + 300,), dtype=torch.int32)
     assert _kernel_checksums([x])() == [int(_checksum_torch(x))]
@@ -162,7 +170,7 @@ def test_checksum_kernel_under_the_interpreter_on_cpu():
 @pytest.mark.parametrize("block_rows", [SMALL_BLOCK_ROWS, None], ids=["small blocks", "real blocks"])
 def test_checksum_kernel_on_cuda(block_rows):
     """Compiled, against the torch form on the GPU and against the CPU through the public calls."""
-    from components.engine.checksum_kernel import BLOCK_ROWS
+    from components.engine.kernels.checksum import BLOCK_ROWS
 
     check_kernel("cuda", block_rows or BLOCK_ROWS)
     check_copy_kernel("cuda", block_rows or BLOCK_ROWS)
@@ -175,7 +183,7 @@ def test_copy_checksums_on_cuda():
     """copy_checksums_later through its public rules: a bf16 weight and an fp32 one copied and
     summed as checksums() sums them; a pair it cannot take (not 16-byte aligned, or on the CPU)
     is refused with the reason, and fused_copy_ok says so beforehand."""
-    from components.engine.checksum import copy_checksums_later, fused_copy_ok
+    from components.engine.weights.checksum import copy_checksums_later, fused_copy_ok
 
     src = [torch.randn(4096, 3000, device="cuda").to(torch.bfloat16), torch.randn(1001, device="cuda")]
     dst = [torch.empty_like(t) for t in src]

@@ -104,7 +104,7 @@ def handle(cmd):
 ENGINE_CHILD = (
     r"""
 import json, time, torch
-from components.engine.builtin import builtin_model_dir
+from components.engine.models.builtin import builtin_model_dir
 from harness.reference import PROMPTS, generate, single_rank
 torch.set_grad_enabled(False)
 eng = single_rank(builtin_model_dir(), max_len=128)

@@ -216,7 +216,7 @@ def test_dispatch_follows_the_device_ep_mask(tmp_path, device):
 
 
 def decode_rows():
-    from components.engine.layers import StepRows
+    from components.engine.models.layers import StepRows
 
     ids, pos = [5, 9, 2, 7], [3, 0, 10, 1]
     return StepRows(ids, pos, [0, 1, 2, 3], [0, 1, 2, 3], [p + 1 for p in pos], [0, 1, 2, 3], [1] * 4)
@@ -269,7 +269,7 @@ def test_experts_apply_each_rows_slot_and_zero_padding_rows(tmp_path, device, fo
     as grouped GEMMs, or every slot over every row where those do not run; on CUDA through the
     Triton kernels (expert_gemm) in bf16 and in fp32 (no TF32), rows of one slot split over
     several row blocks."""
-    from components.engine import moe as moe_mod
+    from components.engine.models import moe as moe_mod
 
     if form == "per-slot":
         monkeypatch.setattr(moe_mod, "_grouped_mm_runs", lambda w, x: False)
@@ -428,7 +428,7 @@ def test_the_context_length_defaults_to_the_models_capped_by_memory(tmp_path, mo
     with too little memory for that, the longest multiple of 256 that fits; a length the model
     does not have is refused with the reason the worker prints."""
     from components.engine import rank
-    from components.engine.checkpoint import Checkpoint
+    from components.engine.models.checkpoint import Checkpoint
 
     mc = Checkpoint.open(str(make_checkpoint("mixtral", tmp_path / "m"))).config
     assert mc.max_position_embeddings == 512
@@ -459,7 +459,7 @@ def test_mps_is_seen_by_its_control_socket(tmp_path, monkeypatch):
 def test_rows_grouped_by_slot_keep_their_order_within_a_slot():
     """group_by_slot (the experts' counting sort, CPU and CUDA alike) orders rows as a stable
     argsort of their slots, rows of no slot last, and ends each slot's group where its rows end."""
-    from components.engine.moe import group_by_slot
+    from components.engine.models.moe import group_by_slot
 
     g = torch.Generator().manual_seed(0)
     for _ in range(100):

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.engine.ep_comm import EPError
-from components.engine.ep_nixl import NixlCommunicator
+from components.engine.exchange.communicator import EPError
+from components.engine.exchange.nixl import NixlCommunicator
 from harness.ep_peer import digest, payload, wait_files, write_atomic
 from harness.server import freeze
 

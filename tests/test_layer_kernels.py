@@ -1,6 +1,6 @@
 """The Triton kernels of layers.py's CUDA path against the torch code they replace there: RMSNorm
-and the residual add fused into it (norm_kernel.py), the rotary embedding with the KV cache write
-(rotary_kernel.py). Compiled on a GPU; on the CPU under Triton's interpreter, in a subprocess (see
+and the residual add fused into it (kernels/norm.py), the rotary embedding with the KV cache write
+(kernels/rotary.py). Compiled on a GPU; on the CPU under Triton's interpreter, in a subprocess (see
 test_triton_kernels.py for why)."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def check_rms_norm(device: str, dtype: torch.dtype, H: int, weight_dtype: torch.
     rounds alike; CUDA's rsqrt is an approximation). Rows of small integers, whose sum of squares
     is exact in any order, match bit for bit; random rows within NORM_TOL; the residual sum is
     torch's bit for bit; and a row's results are the same alone and in the batch."""
-    from components.engine.layers import RMSNorm
-    from components.engine.norm_kernel import add_rms_norm, rms_norm
+    from components.engine.kernels.norm import add_rms_norm, rms_norm
+    from components.engine.models.layers import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(H, 1e-6)
@@ -58,8 +58,8 @@ def check_rotary_cache(device: str, dtype: torch.dtype, nh: int, nkv: int, hd: i
     caches bit for bit, so k and v landed at their (slot, position) and nothing else in either
     cache changed; q, k and v are slices of one fused projection (strided); and a token's results
     are the same written alone."""
-    from components.engine.layers import Rotary
-    from components.engine.rotary_kernel import rotary_cache_write
+    from components.engine.kernels.rotary import rotary_cache_write
+    from components.engine.models.layers import Rotary
 
     torch.manual_seed(0)
     max_len = 50
@@ -114,8 +114,8 @@ def test_rotary_cache_write_matches_torch_bitwise(dtype, table_dtype, nh, nkv, h
 def test_rotary_cache_write_in_a_cuda_graph_follows_the_positions_it_reads():
     """Captured once, replayed after positions and slots changed in place: the replay writes where
     an eager call with the new values writes, and rotates by the new positions."""
-    from components.engine.layers import Rotary
-    from components.engine.rotary_kernel import rotary_cache_write
+    from components.engine.kernels.rotary import rotary_cache_write
+    from components.engine.models.layers import Rotary
 
     torch.manual_seed(0)
     rot = Rotary(64, 10000.0, 100).to(torch.bfloat16).to("cuda")

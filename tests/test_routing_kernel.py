@@ -1,5 +1,5 @@
-"""The MoE layer's kernels around the experts (routing_kernel.py, and the peer-window exchange's
-own in ep_window.py) against the torch code they replace on CUDA: SparseMoE's dispatch and
+"""The MoE layer's kernels around the experts (kernels/routing.py, and the peer-window exchange's
+own in exchange/windows.py) against the torch code they replace on CUDA: SparseMoE's dispatch and
 combine, the exchange's slot validity and reply gather. Compiled on a GPU; on the CPU under
 Triton's interpreter in a subprocess (see test_triton_kernels), where the softmax's exp is numpy's
 rather than torch's, so the weights are checked to within an ulp there and bitwise on a GPU."""
@@ -32,8 +32,8 @@ CASES = [
 def make_moe(device, dtype, T, E, k, R, S, norm, masked, seed=0):
     """A SparseMoE over a random placement (every expert placed, some replicated) of R ranks, the
     ranks in `masked` outside the EP mask."""
-    from components.engine.expert_map import ExpertMap
-    from components.engine.moe import SparseMoE
+    from components.engine.exchange.expert_map import ExpertMap
+    from components.engine.models.moe import SparseMoE
     from components.protocol.placement import Placement
 
     g = torch.Generator().manual_seed(seed)
@@ -72,7 +72,7 @@ def check_dispatch(device: str, exact_weights: bool) -> None:
     """Every field of the dispatch equal to the torch code's (with ties to the lower expert), and
     the load update, with padding rows, masked ranks and replicas; `position` is the inverse of
     `order`; the misrouted counter gains the masked ranks' pairs times strict (0 in warmup)."""
-    from components.engine.routing_kernel import gather_rows, route_and_sort
+    from components.engine.kernels.routing import gather_rows, route_and_sort
 
     for dtype in (torch.float32, torch.bfloat16):
         for T, E, k, R, S, norm, masked in CASES:
@@ -114,7 +114,7 @@ def check_dispatch(device: str, exact_weights: bool) -> None:
 def check_ties_and_batch_invariance(device: str) -> None:
     """Equal probabilities go to the lower expert index (a zero row: experts 0..k-1); a row's
     weights and experts are bitwise the same alone and in batches of other sizes."""
-    from components.engine.routing_kernel import route_and_sort
+    from components.engine.kernels.routing import route_and_sort
 
     E, k, R, S = 8, 2, 2, 4
     m = make_moe(device, torch.float32, 1, E, k, R, S, True, []).ep.map
@@ -149,8 +149,8 @@ def check_ties_and_batch_invariance(device: str) -> None:
 def check_combine(device: str) -> None:
     """The torch combine (scatter back, multiply, sum over k) in fp32 and bf16, bitwise for k <= 2,
     and a token's result bitwise the same alone."""
-    from components.engine.moe import Dispatch
-    from components.engine.routing_kernel import combine_pairs
+    from components.engine.kernels.routing import combine_pairs
+    from components.engine.models.moe import Dispatch
 
     for dtype in (torch.float32, torch.bfloat16):
         for T, k, H in ((1, 2, 64), (37, 2, 96), (20, 1, 64), (9, 4, 1030), (5, 8, 64)):
@@ -179,7 +179,7 @@ def check_combine(device: str) -> None:
 def check_exchange_kernels(device: str) -> None:
     """The peer-window exchange's slot validity and reply gather against the torch code they
     replaced, with a masked peer, an empty one and rows past the sent ones."""
-    from components.engine.ep_window import _BLOCK, _received_kernel, _replies_kernel
+    from components.engine.exchange.windows import _BLOCK, _received_kernel, _replies_kernel
 
     R, C, words = 4, 40, 6
     g = torch.Generator().manual_seed(0)

@@ -79,7 +79,7 @@ def compute_reference() -> tuple[dict[str, Expected], list[Expected]]:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from components.engine.builtin import builtin_model_dir
+    from components.engine.models.builtin import builtin_model_dir
     from harness.reference import generate, single_rank
 
     model_dir = builtin_model_dir()

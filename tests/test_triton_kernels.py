@@ -34,7 +34,7 @@ def check_decode_attention(device: str, dtype: torch.dtype, nh: int, nkv: int, h
     row must not read is NaN, so one that leaked into a result would show; and a row's output is
     bitwise the same alone, in a batch of 16 padded with scratch rows (context 1), and in a batch
     of another size."""
-    from components.engine.decode_attention import BLOCK_N, decode_attention
+    from components.engine.kernels.decode_attention import BLOCK_N, decode_attention
 
     torch.manual_seed(0)
     ctx = [1, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, max_len, max_len // 2 + 3, 2]
@@ -62,7 +62,7 @@ def check_experts(device: str, dtype: torch.dtype) -> None:
     """Each row through its own slot's expert, rows of no slot (-1, S, beyond) zero; slot 1 has
     more rows than a row block; the count gains the rows with a slot; a row's result is bitwise
     the same alone. (On a GPU, test_engine runs these kernels through the MoE layer.)"""
-    from components.engine.expert_gemm import BLOCK_M, swiglu_experts
+    from components.engine.kernels.expert_gemm import BLOCK_M, swiglu_experts
 
     torch.manual_seed(0)
     S, H, I = 4, 64, 96
@@ -90,8 +90,8 @@ def check_group_rows(device: str) -> None:
     """group_rows: bitwise the torch form SparseMoE.experts runs on the CPU (slot validity, key,
     moe.group_by_slot) and its count of rows with a slot, for int32 and int64 slots, 1 to 64
     slots, a row or thousands (more than one block of the scan), none with a slot or all."""
-    from components.engine.expert_gemm import group_rows
-    from components.engine.moe import group_by_slot
+    from components.engine.kernels.expert_gemm import group_rows
+    from components.engine.models.moe import group_by_slot
 
     g = torch.Generator().manual_seed(0)
     cases = [(1, 1), (7, 3), (300, 8), (4096, 8), (4100, 64), (9000, 2), (50, 64)]
@@ -129,7 +129,7 @@ def test_experts_and_their_grouping_on_cuda(dtype):
 def test_decode_attention_in_a_cuda_graph_follows_the_lengths_it_reads():
     """Captured once, replayed after the rows' slots and context lengths changed in place: the
     loop bound is read on the device, so the replay matches an eager call with the new values."""
-    from components.engine.decode_attention import decode_attention
+    from components.engine.kernels.decode_attention import decode_attention
 
     torch.manual_seed(0)
     kc, vc = (torch.randn(5, 300, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from components.engine import stack_reserve
-from components.engine.vmm import VmmArena, VmmError, VmmExporter, VmmImport, place_engine_memory, receive
+from components.engine.memory import stack_reserve
+from components.engine.memory.vmm import VmmArena, VmmError, VmmExporter, VmmImport, place_engine_memory, receive
 from harness.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,8 +222,7 @@ def make_big_checkpoint(
     """A Mixtral-shaped random bf16 checkpoint (about 2 GB at the defaults), made on the GPU."""
     from safetensors.torch import save_file
 
-    from components.engine.checkpoint import expected_tensors
-    from components.engine.config import ModelConfig
+    from components.engine.models.registry import config_from_dict, expected_tensors
 
     cfg = {
         "architectures": ["MixtralForCausalLM"],
@@ -250,7 +249,7 @@ def make_big_checkpoint(
     (path / "config.json").write_text(json.dumps(cfg))
     gen = torch.Generator(device="cuda").manual_seed(0)
     tensors = {}
-    for name, shape in expected_tensors(ModelConfig.from_dict(cfg)).items():
+    for name, shape in expected_tensors(config_from_dict(cfg)).items():
         if name.endswith("norm.weight") or "layernorm" in name:
             tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
         else:

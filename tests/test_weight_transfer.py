@@ -16,8 +16,8 @@ import msgspec
 import pytest
 import torch
 
-from components.engine.checksum import checksum, checksums
-from components.engine.weight_store import WeightStore, WeightTransferError
+from components.engine.weights.checksum import checksum, checksums
+from components.engine.weights.store import WeightStore, WeightTransferError
 from components.protocol.placement import Placement
 from components.protocol.transfer import PullItem, SourceLoss, replan, spread
 from harness.server import freeze

@@ -99,8 +99,8 @@ def _meta(*shape, dtype=torch.bfloat16) -> torch.Tensor:
 
 def _fake_windows(rank: int, capacity: int, dtype: torch.dtype):
     """A PeerWindows whose mailbox is meta tensors: its methods launch what the real one does."""
-    from components.engine.ep_window import PeerWindows
-    from components.engine.vmm import DEFAULT_ALIGN
+    from components.engine.exchange.windows import PeerWindows
+    from components.engine.memory.vmm import DEFAULT_ALIGN
 
     R, C = MAX_RANKS, capacity
     W = HIDDEN * dtype.itemsize // 4
@@ -130,12 +130,13 @@ def _fake_windows(rank: int, capacity: int, dtype: torch.dtype):
 def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
     """(where, the wrapper call) of each way the engine launches its kernels for dtype `dt`. Run each
     call before drawing the next: the calls close over the loop variables."""
-    from components.engine import checksum, checksum_kernel
-    from components.engine.decode_attention import decode_attention
-    from components.engine.expert_gemm import swiglu_experts
-    from components.engine.norm_kernel import add_rms_norm, rms_norm
-    from components.engine.rotary_kernel import rotary_cache_write
-    from components.engine.routing_kernel import combine_pairs, gather_rows, route_and_sort
+    from components.engine.kernels import checksum as checksum_kernel
+    from components.engine.kernels.decode_attention import decode_attention
+    from components.engine.kernels.expert_gemm import swiglu_experts
+    from components.engine.kernels.norm import add_rms_norm, rms_norm
+    from components.engine.kernels.rotary import rotary_cache_write
+    from components.engine.kernels.routing import combine_pairs, gather_rows, route_and_sort
+    from components.engine.weights import checksum
 
     t = functools.partial(_meta, dtype=dt)
     i64 = functools.partial(_meta, dtype=torch.int64)

@@ -10,7 +10,7 @@ feed-forwards stay in their segment. One set per batch size, captured once; ever
 static buffer that is copied into, and the graphs read the EP mask, expert map, expert slots, KV
 cache and weights at fixed addresses, so new members, placements and weights need no recapture.
 
-Where the exchange is device work (same-node peer windows, ep_window.py), nothing is left to the
+Where the exchange is device work (same-node peer windows, exchange/windows.py), nothing is left to the
 host: the segments and the exchanges between them are captured as one graph per batch size.
 """
 
@@ -21,8 +21,8 @@ import logging
 import numpy as np
 import torch
 
-from components.engine.layers import ForwardBatch, KVCache, StepRows, with_pending
-from components.engine.moe import Dispatch
+from components.engine.models.layers import ForwardBatch, KVCache, StepRows, with_pending
+from components.engine.models.moe import Dispatch
 from components.engine.sampler import SampleParams, sample
 
 log = logging.getLogger(__name__)

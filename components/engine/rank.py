@@ -25,13 +25,14 @@ from typing import NamedTuple
 import msgspec
 import torch
 
-from components.engine import stack_reserve
-from components.engine.checkpoint import Checkpoint
-from components.engine.ep_comm import EPCommunicator, EPError
-from components.engine.expert_map import ExpertMap
-from components.engine.layers import KVCache, StepRows
-from components.engine.model import build_model
-from components.engine.moe import ExpertParallel
+from components.engine.exchange.communicator import EPCommunicator, EPError
+from components.engine.exchange.expert_map import ExpertMap
+from components.engine.memory import stack_reserve
+from components.engine.models.checkpoint import Checkpoint
+from components.engine.models.layers import KVCache, StepRows
+from components.engine.models.moe import ExpertParallel
+from components.engine.models.registry import family
+from components.engine.models.transformer import build_model
 from components.engine.request import GenerateRequest, RequestError, TokenOutput
 from components.engine.sampler import SampleParams, sample
 from components.engine.scheduler import Scheduler, Sequence
@@ -62,7 +63,7 @@ class RankConfig(msgspec.Struct, frozen=True):
     idle_wait_s: float = 0.002
     ep_timeout_s: float = 30.0
     vmm: bool = False  # CUDA: weights, expert slots and KV in one VMM arena (release_memory/restore_memory)
-    # The MoE exchange: "window" through same-node peer windows (ep_window) as device work;
+    # The MoE exchange: "window" through same-node peer windows (exchange/windows) as device work;
     # "nixl" host-driven over NIXL; "auto" windows on CUDA where no two ranks share a GPU or MPS
     # runs (ranks time-sliced on one GPU without MPS make a device-side wait spin through whole
     # time slices: 4.6 ms a layer for two ranks on an H200, against 84 us across two GPUs).
@@ -82,7 +83,7 @@ def context_length(requested: int, mc, max_seqs: int, dtype: torch.dtype, device
         if requested > positions:
             raise ValueError(f"max_len {requested} exceeds the model's {positions} positions")
         return requested
-    per_token = 2 * mc.num_layers * (max_seqs + 1) * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    per_token = (max_seqs + 1) * family(mc).kv_layout(mc).bytes_per_token(mc.num_layers, dtype.itemsize)
     fit = int(_free_memory(device) * KV_MEMORY_FRACTION) // per_token
     if fit >= positions:
         return positions
@@ -137,7 +138,7 @@ def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, timeout_s: float =
     host-driven either way; in device memory, peers' UCX maps the buffers over CUDA IPC and keeps
     the mappings after a disconnect, and a CUDA checkpoint of a parked rank whose memory a peer
     still maps cannot be restored (cuCheckpointProcessRestore: CUDA_ERROR_INVALID_VALUE)."""
-    from components.engine.ep_nixl import NixlCommunicator
+    from components.engine.exchange.nixl import NixlCommunicator
 
     return NixlCommunicator(rank, max_ranks, capacity_bytes, device="cpu", timeout_s=timeout_s)
 
@@ -166,8 +167,8 @@ def ep_communicator(cfg: RankConfig, device: torch.device, mc, dtype: torch.dtyp
     host = nixl_comm(cfg.rank, cfg.max_ranks, capacity_bytes, cfg.ep_timeout_s)
     if ep_transport(cfg, device) != "window":
         return host
-    from components.engine.ep_window import PeerWindows, WindowCommunicator
-    from components.engine.same_node import node_id
+    from components.engine.exchange.windows import PeerWindows, WindowCommunicator
+    from components.engine.weights.same_node import node_id
 
     rows = max(cfg.max_batched_tokens, cfg.max_seqs) * mc.top_k  # the most one step sends one peer
     windows = PeerWindows(cfg.rank, cfg.max_ranks, rows, mc.hidden_size, dtype, device, node_id(), cfg.ep_timeout_s)
@@ -209,12 +210,12 @@ class EngineRank:
             self.model.load_dense(self.ckpt)
         # One slot beyond max_seqs: the scratch slot padded graph rows write into.
         self.kv = KVCache(
-            mc.num_layers, cfg.max_seqs + 1, self.max_len, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+            mc.num_layers, cfg.max_seqs + 1, self.max_len, family(mc).kv_layout(mc), self.dtype, self.device
         )
         self.arena = None  # VmmArena holding params, expert slots and KV when cfg.vmm on CUDA
         self._stack_per_thread: int | None = None  # stack_reserve's limit while memory is released
         if cfg.vmm and self.device.type == "cuda":
-            from components.engine.vmm import place_engine_memory
+            from components.engine.memory.vmm import place_engine_memory
 
             self.arena = place_engine_memory(self.model, self.kv, self.device)  # before graph capture
         self.graphs = None
@@ -226,7 +227,7 @@ class EngineRank:
         if self.device.type == "cuda":
             # A weight pull's kernels, loaded now rather than in a joiner's first pull (and so
             # held by a snapshot's image).
-            from components.engine.checksum import warm_kernels
+            from components.engine.weights.checksum import warm_kernels
 
             warm_kernels(self.device)
         self.sched = Scheduler(

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from components.engine.layers import StepRows
+from components.engine.models.layers import StepRows
 from components.engine.request import GenerateRequest, TokenOutput
 
 log = logging.getLogger(__name__)

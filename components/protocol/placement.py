@@ -5,7 +5,7 @@ or not, so a placement has `max_ranks * slots_per_rank` entries per MoE layer an
 shape. Slots beyond one copy of every expert hold redundant replicas. The scale protocol moves
 between placements (docs/design.md, "Scale-up" and "Scale-down"): `grow` for joiners, `shrink`
 for leavers, `interim` while slots are refilled, `rebalance` for EPLB. Torch-free: the router
-computes them; ranks install them into device tables (engine/expert_map.py).
+computes them; ranks install them into device tables (engine/exchange/expert_map.py).
 """
 
 from __future__ import annotations

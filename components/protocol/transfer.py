@@ -1,7 +1,7 @@
 """Weight-transfer manifests and pull plans, as data: what a source offers (`WeightManifest`), what a
 joiner reads from whom (`PullItem`, planned by `spread` and the scale operation, and by `replan`
 again for what a source lost mid-pull was to send), and what it reports (`PullStats`). Torch-free:
-the router plans pulls; ranks execute them (engine/weight_store.py).
+the router plans pulls; ranks execute them (engine/weights/store.py).
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from components.worker.process import LOG_FORMAT, serve
-from components.worker.restore import baked
+from components.worker.process import LOG_FORMAT, baked, serve
 
 
 def main() -> None:

@@ -99,6 +99,6 @@ def model_source(cfg: Worker.Config) -> tuple[str, str]:
     """(checkpoint directory, served model name)."""
     if cfg.model:
         return cfg.model, cfg.served_model_name or Path(cfg.model).resolve().name
-    from components.engine.builtin import BUILTIN_MODEL_NAME, builtin_model_dir
+    from components.engine.models.builtin import BUILTIN_MODEL_NAME, builtin_model_dir
 
     return str(builtin_model_dir()), cfg.served_model_name or BUILTIN_MODEL_NAME

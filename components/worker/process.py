@@ -1,5 +1,5 @@
 """A rank's process: its server on the Dynamo runtime, ended with the graph (a joiner outlives the
-router that started it, never the graph)."""
+router that started it, never the graph), and the process a snapshot image is baked from."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
 
 from components.graph.component import (
     EXIT_CANNOT_START,
@@ -18,9 +21,11 @@ from components.graph.component import (
     component_config,
     load_context,
 )
-from components.graph.spawn import graph_output
-from components.worker.component import Worker, started_for
+from components.graph.spawn import die_with_parent, graph_output
+from components.protocol.config import WorkerConfig
+from components.worker.component import OP_ENV, Worker, started_for
 from components.worker.presence import Presence
+from components.worker.restore import RestoreIdentity
 from components.worker.server import RankServer
 
 log = logging.getLogger("components.worker")
@@ -177,3 +182,33 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
         server.engine.stop()
         server.store.close()
         log.info("rank %d: stopped", rank)
+
+
+def baked(spec_path: str) -> None:
+    """The process `snapshot-bake bake --tier criu` dumps: a rank-0 joiner built and warmed alone,
+    part of no group, with no NIXL agent and no sockets. It blocks reading stdin, where it is
+    dumped; each copy restored from the image reads its RestoreIdentity there and serves."""
+    from snapshot.bake import BakeSpec, warm_for_image
+    from snapshot.criu_image import join_restorer_network
+
+    die_with_parent()  # the baker: a bake that failed leaves nothing behind
+    # Imported before the dump, so that no copy pays for them (1-2 s here); importing them starts
+    # no thread and opens nothing.
+    import dynamo.llm  # noqa: F401
+
+    import components.graph.runtime  # noqa: F401
+
+    spec = msgspec.json.decode(Path(spec_path).read_bytes(), type=BakeSpec)
+    server = RankServer(0, WorkerConfig(), None, join=True)
+    server.engine = warm_for_image(spec)
+    # CRIU restores a parent-death signal, and a copy's first parent (criu restore -d) exits at
+    # once. A baker gone from here on closes the pipe, and the read below ends this process.
+    die_with_parent(0)
+    log.info("warm; waiting to be dumped")
+    who = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=RestoreIdentity)
+    # Before the runtime, the NIXL agent and their threads open anything: peers and discovery are
+    # in the restorer's network namespace, not in this copy's own.
+    if join_restorer_network():
+        log.info("[op %s] rank %d: joined the restorer's network namespace", who.env.get(OP_ENV, "-"), who.rank)
+    server.restored(who)
+    asyncio.run(serve(who.rank, True, server))

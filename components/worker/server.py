@@ -143,7 +143,7 @@ class RankServer:
     def open_store(self) -> None:
         """Register this rank's weights with a fresh NIXL agent (named anew each time: peers may
         still hold the metadata of one closed at park)."""
-        from components.engine.weight_store import WeightStore
+        from components.engine.weights.store import WeightStore
 
         e = self.engine
         self.stores_opened += 1
@@ -398,7 +398,7 @@ class RankServer:
         (migrations, rebalances) and stays as it is. A source lost on the way costs only its
         items, which the router has read from other holders next: a joiner is loaded once that
         pull has brought the rest."""
-        from components.engine.weight_store import WeightTransferError
+        from components.engine.weights.store import WeightTransferError
 
         stats = await asyncio.to_thread(self.store.pull, msg.items, msg.sources, partial=True, op=msg.op)
         if self.faults.corrupt_pull:

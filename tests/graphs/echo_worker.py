@@ -74,7 +74,7 @@ def resolve_model_dir(configured: str) -> tuple[str, str | None]:
     if configured:
         return configured, None
     try:
-        from components.engine.builtin import builtin_model_dir
+        from components.engine.models.builtin import builtin_model_dir
     except ImportError:
         tmp = tempfile.mkdtemp(prefix="echo-model-")
         return str(make_tiny_model_dir(Path(tmp))), tmp

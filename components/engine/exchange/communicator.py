@@ -7,13 +7,10 @@ being prepared), which is what lets a running group prepare a scale-up while it 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from components.engine.ep_window import PeerWindows
 
 
 class EPError(RuntimeError):
@@ -25,13 +22,38 @@ class EPError(RuntimeError):
         self.peers = sorted(peers)
 
 
+class DeviceExchange(Protocol):
+    """The MoE exchange as device work a CUDA graph can hold (same-node peer windows,
+    windows.PeerWindows): what the MoE layer and the step loop need of it."""
+
+    # The EP mask the dispatch and the exchange's kernels read, at a fixed address.
+    mask: torch.Tensor
+
+    def exchange(
+        self,
+        rows: torch.Tensor,
+        local: torch.Tensor,
+        counts: torch.Tensor,
+        out: torch.Tensor,
+        experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Send `rows` (sorted by destination, `counts` per destination, `local` their slots there),
+        compute the rows sent here with `experts(rows, slots)`, write each row's result into `out`."""
+
+    def check(self) -> None:
+        """After the step's sync: raise EPError naming the peers a wait gave up on."""
+
+    def declare_gone(self) -> None:
+        """Waits for failed peers give up at once instead of at their timeout."""
+
+
 class EPCommunicator(Protocol):
     rank: int
     max_ranks: int
     capacity_bytes: int  # most bytes one rank may send to one peer in one all_to_all
     # Same-node CUDA ranks: the MoE exchange as device work through peers' mailboxes
-    # (ep_window.PeerWindows); None: the MoE exchange goes through all_to_all.
-    windows: PeerWindows | None
+    # (windows.PeerWindows); None: the MoE exchange goes through all_to_all.
+    windows: DeviceExchange | None
 
     def metadata(self) -> bytes:
         """What a peer needs to connect to this rank (opaque, stable until suspend())."""

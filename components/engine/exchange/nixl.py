@@ -49,9 +49,9 @@ from collections.abc import Iterable, Mapping
 import msgspec
 import torch
 
-from . import host_pages
-from .ep_comm import EPError
-from .nixl_agent import NixlAgent, NixlError, PeerMetadataError, nixl_memory
+from components.engine.exchange.communicator import EPError
+from components.engine.exchange.nixl_agent import NixlAgent, NixlError, PeerMetadataError, nixl_memory
+from components.engine.memory import host_pages
 
 log = logging.getLogger(__name__)
 

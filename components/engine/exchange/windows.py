@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from components.engine.ep_comm import EPError
-from components.engine.vmm import VmmArena, VmmError, VmmExporter, VmmWindow, plan_bytes
+from components.engine.exchange.communicator import EPError
+from components.engine.memory.vmm import VmmArena, VmmError, VmmExporter, VmmWindow, plan_bytes
 
 log = logging.getLogger(__name__)
 

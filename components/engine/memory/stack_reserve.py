@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .vmm import _check, _driver
+from components.engine.memory.vmm import _check, _driver
 
 
 def _limit(device: torch.device, value: int | None = None) -> int:

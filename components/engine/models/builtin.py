@@ -146,10 +146,9 @@ def _model_config(vocab_size: int) -> dict:
 
 
 def _weights(cfg_dict: dict) -> dict[str, torch.Tensor]:
-    from .checkpoint import expected_tensors
-    from .config import ModelConfig
+    from components.engine.models.registry import config_from_dict, expected_tensors
 
-    shapes = expected_tensors(ModelConfig.from_dict(cfg_dict))
+    shapes = expected_tensors(config_from_dict(cfg_dict))
     g = torch.Generator().manual_seed(SEED)
     # Uniform with std INIT_STD from exact integers (normal sampling goes through ISA-dependent
     # transcendental code paths; integer sampling and the float64 scaling below do not).

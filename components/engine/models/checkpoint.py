@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import ConfigError, ModelConfig
+from components.engine.models.config import ConfigError, ModelConfig
+from components.engine.models.registry import expected_tensors, read_config
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -17,84 +18,6 @@ SINGLE_NAME = "model.safetensors"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be served; the message names the file and the problem."""
-
-
-def _layer(i: int) -> str:
-    return f"model.layers.{i}"
-
-
-def expert_tensor_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
-    """(gate, up, down) weight names of one routed expert."""
-    if cfg.architecture == "mixtral":
-        p = f"{_layer(layer)}.block_sparse_moe.experts.{expert}"
-        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
-    p = f"{_layer(layer)}.mlp.experts.{expert}"
-    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
-
-
-def router_name(cfg: ModelConfig, layer: int) -> str:
-    block = "block_sparse_moe" if cfg.architecture == "mixtral" else "mlp"
-    return f"{_layer(layer)}.{block}.gate.weight"
-
-
-def shared_expert_names(cfg: ModelConfig, layer: int) -> tuple[str, str, str, str] | None:
-    """(gate, up, down, shared_expert_gate) of a sparse layer's shared expert, None if it has none."""
-    if cfg.shared_expert_intermediate_size <= 0 or not cfg.sparse_layers[layer]:
-        return None
-    p = f"{_layer(layer)}.mlp"
-    return (
-        f"{p}.shared_expert.gate_proj.weight",
-        f"{p}.shared_expert.up_proj.weight",
-        f"{p}.shared_expert.down_proj.weight",
-        f"{p}.shared_expert_gate.weight",
-    )
-
-
-def dense_mlp_names(cfg: ModelConfig, layer: int) -> tuple[str, str, str]:
-    """(gate, up, down) of a non-sparse layer's MLP."""
-    if cfg.sparse_layers[layer]:
-        raise ValueError(f"layer {layer} is sparse")
-    p = f"{_layer(layer)}.mlp"
-    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
-
-
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
-    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (V, H)
-    for i in range(cfg.num_layers):
-        p = _layer(i)
-        out[f"{p}.input_layernorm.weight"] = (H,)
-        out[f"{p}.post_attention_layernorm.weight"] = (H,)
-        a = f"{p}.self_attn"
-        out.update(
-            {
-                f"{a}.q_proj.weight": (q, H),
-                f"{a}.k_proj.weight": (kv, H),
-                f"{a}.v_proj.weight": (kv, H),
-                f"{a}.o_proj.weight": (H, q),
-            }
-        )
-        if cfg.qkv_bias:
-            out.update({f"{a}.q_proj.bias": (q,), f"{a}.k_proj.bias": (kv,), f"{a}.v_proj.bias": (kv,)})
-        if cfg.sparse_layers[i]:
-            I = cfg.moe_intermediate_size
-            out[router_name(cfg, i)] = (cfg.num_experts, H)
-            for e in range(cfg.num_experts):
-                g, u, d = expert_tensor_names(cfg, i, e)
-                out.update({g: (I, H), u: (I, H), d: (H, I)})
-            shared = shared_expert_names(cfg, i)
-            if shared:
-                S = cfg.shared_expert_intermediate_size
-                g, u, d, sg = shared
-                out.update({g: (S, H), u: (S, H), d: (H, S), sg: (1, H)})
-        else:
-            I = cfg.dense_intermediate_size
-            g, u, d = dense_mlp_names(cfg, i)
-            out.update({g: (I, H), u: (I, H), d: (H, I)})
-    return out
 
 
 def _fmt(shape) -> str:
@@ -120,7 +43,7 @@ class Checkpoint:
         if not cfg_path.is_file():
             raise CheckpointError(f"{path}: missing config.json")
         try:
-            cfg = ModelConfig.from_hf(cfg_path)
+            cfg = read_config(cfg_path)
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
 

@@ -88,12 +88,15 @@ class ForwardBatch:
 
 
 class KVCache:
-    """Per-layer K and V for `max_seqs` sequences of up to `max_len` tokens, allocated once."""
+    """Per-layer K and V for `max_seqs` sequences of up to `max_len` tokens, allocated once, as the
+    family's layout (family.KVLayout) says."""
 
-    def __init__(self, num_layers, max_seqs, max_len, num_kv_heads, head_dim, dtype, device):
-        shape = (max_seqs, max_len, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    def __init__(self, num_layers, max_seqs, max_len, layout, dtype, device):
+        def zeros(dim):
+            return torch.zeros((max_seqs, max_len, layout.heads, dim), dtype=dtype, device=device)
+
+        self.k = [zeros(layout.k_dim) for _ in range(num_layers)]
+        self.v = [zeros(layout.v_dim) for _ in range(num_layers)]
         self.max_seqs, self.max_len = max_seqs, max_len
 
 
@@ -105,7 +108,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # one kernel where torch launches eight
-            from components.engine.norm_kernel import rms_norm
+            from components.engine.kernels.norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
         h = x.float()
@@ -115,7 +118,7 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, norm(h)) for h = x + residual: one kernel on CUDA (the add fused into the norm)."""
         if x.is_cuda:
-            from components.engine.norm_kernel import add_rms_norm
+            from components.engine.kernels.norm import add_rms_norm
 
             return add_rms_norm(x, residual, self.weight, self.eps)
         h = x + residual
@@ -172,7 +175,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, self.nkv, self.hd)
         kc, vc = kv.k[self.layer], kv.v[self.layer]
         if x.is_cuda:  # one kernel: rotary of q and k, k and v into the cache (torch: ~16)
-            from components.engine.rotary_kernel import rotary_cache_write
+            from components.engine.kernels.rotary import rotary_cache_write
 
             rot = self.rotary
             q = rotary_cache_write(q, k, v, rot.cos, rot.sin, batch.positions, batch.token_slots, kc, vc)
@@ -189,7 +192,7 @@ class Attention(nn.Module):
 
     def _decode(self, q, kc, vc, batch: ForwardBatch) -> torch.Tensor:
         if q.is_cuda:  # reads each row's cache in place up to its own context length
-            from components.engine.decode_attention import decode_attention
+            from components.engine.kernels.decode_attention import decode_attention
 
             return decode_attention(q, kc, vc, batch.slots, batch.ctx_lens)
         return gathered_decode(q, kc, vc, batch.slots, batch.ctx_lens, batch.kv_len)

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from components.engine.ep_comm import EPCommunicator
-from components.engine.expert_map import ExpertMap
+from components.engine.exchange.communicator import EPCommunicator
+from components.engine.exchange.expert_map import ExpertMap
 
 
 class ExpertParallel:
@@ -162,7 +162,7 @@ class SparseMoE(nn.Module):
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         if x.is_cuda:  # the slot validity, the count and the grouping in one launch (group_rows)
-            from components.engine.expert_gemm import swiglu_experts
+            from components.engine.kernels.expert_gemm import swiglu_experts
 
             return swiglu_experts(x, local, self.w_gate, self.w_up, self.w_down, self.ep.rows_computed)
         real = (local >= 0) & (local < S)
@@ -194,7 +194,7 @@ class SparseMoE(nn.Module):
         """Device only (no host sync), so a graph can capture it. `valid` marks real rows of a
         padded batch; padding rows are routed but neither sent nor counted as load."""
         if x.is_cuda:  # the same layout from two launches after the router (routing_kernel)
-            from components.engine.routing_kernel import gather_rows, route_and_sort
+            from components.engine.kernels.routing import gather_rows, route_and_sort
 
             m, ep = self.ep.map, self.ep
             # The peer-window exchange's count of misrouted pairs comes with the counts.
@@ -265,7 +265,7 @@ class SparseMoE(nn.Module):
     def combine(self, x: torch.Tensor, d: Dispatch, out: torch.Tensor) -> torch.Tensor:
         """Device only. `x` is the layer input (for layers that add a dense part)."""
         if d.position is not None:
-            from components.engine.routing_kernel import combine_pairs
+            from components.engine.kernels.routing import combine_pairs
 
             return combine_pairs(out, d.position, d.weights)
         return self._combine_torch(d, out)

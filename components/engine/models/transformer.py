@@ -1,33 +1,36 @@
-"""The decoder-only MoE transformer shared by the architectures; each architecture file defines
-only its decoder block. Module names follow the Hugging Face checkpoints, so the parameters load
-by name (`named_parameters()` == checkpoint names) and the same list drives peer weight pulls."""
+"""The decoder-only MoE transformer shared by the architectures; each family (registry.py) gives
+its decoder blocks and position embedding. Module names follow the Hugging Face checkpoints, so
+the parameters load by name (`named_parameters()` == checkpoint names) and the same list drives
+peer weight pulls."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from components.engine.checkpoint import Checkpoint, expert_tensor_names
-from components.engine.config import ModelConfig
-from components.engine.layers import ForwardBatch, KVCache, RMSNorm, Rotary
-from components.engine.moe import ExpertParallel, SparseMoE
+from components.engine.models.checkpoint import Checkpoint
+from components.engine.models.config import ModelConfig
+from components.engine.models.layers import ForwardBatch, KVCache, RMSNorm
+from components.engine.models.moe import ExpertParallel, SparseMoE
+from components.engine.models.registry import family
 from components.protocol.placement import Placement
 
 
 class _Body(nn.Module):
-    def __init__(self, cfg: ModelConfig, block_cls, ep: ExpertParallel, max_len: int):
+    def __init__(self, cfg: ModelConfig, ep: ExpertParallel, max_len: int):
         super().__init__()
+        fam = family(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_len)
-        self.layers = nn.ModuleList(block_cls(cfg, i, ep, rotary) for i in range(cfg.num_layers))
+        rotary = fam.rotary(cfg, max_len)
+        self.layers = nn.ModuleList(fam.block(cfg, i, ep, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, block_cls, ep: ExpertParallel, max_len: int):
+    def __init__(self, cfg: ModelConfig, ep: ExpertParallel, max_len: int):
         super().__init__()
         self.cfg, self.ep = cfg, ep
-        self.model = _Body(cfg, block_cls, ep, max_len)
+        self.model = _Body(cfg, ep, max_len)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -58,19 +61,17 @@ class MoETransformer(nn.Module):
     def load_experts(self, ckpt: Checkpoint, placement: Placement, rank: int, since: Placement | None = None) -> None:
         """Fill this rank's slots with the experts the placement puts there; with `since`, only
         the slots whose expert differs from it."""
+        tensor_names = family(self.cfg).expert_tensors
         with torch.no_grad():
             for layer, moe in self.moe_layers:
                 before = since.experts_on(rank, layer) if since else None
                 for slot, expert in enumerate(placement.experts_on(rank, layer)):
                     if expert >= 0 and (before is None or before[slot] != expert):
-                        names = expert_tensor_names(self.cfg, layer, expert)
+                        names = tensor_names(self.cfg, layer, expert)
                         moe.load_slot(slot, *(ckpt.get(n, dtype=moe.w_gate.dtype) for n in names))
 
 
 def build_model(cfg: ModelConfig, ep: ExpertParallel, max_len: int, dtype, device) -> MoETransformer:
-    from components.engine import mixtral, qwen2_moe
-
-    blocks = {"mixtral": mixtral.MixtralBlock, "qwen2_moe": qwen2_moe.Qwen2MoeBlock}
     # Built in its dtype rather than converted after: each float32 expert buffer, freed by the
     # conversion, left a segment that torch's allocator carved later small tensors from, which
     # pinned it (1.8 GB of a 5.4 GiB model's rank, kept in every snapshot image too).
@@ -78,7 +79,7 @@ def build_model(cfg: ModelConfig, ep: ExpertParallel, max_len: int, dtype, devic
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = MoETransformer(cfg, blocks[cfg.architecture], ep, max_len)
+            model = MoETransformer(cfg, ep, max_len)
     finally:
         torch.set_default_dtype(default)
     return model.to(dtype=dtype).eval()  # the rotary tables, computed in float32

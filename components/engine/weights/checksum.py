@@ -1,13 +1,13 @@
 """Order-sensitive checksum of a contiguous tensor's bytes, computed on the tensor's device.
 
 Why it is built this way: a weight pull verifies each tensor it received against a checksum its
-source computed when it described the tensor (weight_store.py). So the checksum runs on the
+source computed when it described the tensor (weights/store.py). So the checksum runs on the
 tensor's device (no host round trip of the weights), checksums() of many tensors costs one device
 sync, and the result depends only on the bytes (not on the dtype, the view or the device), so a
 CPU source and a CUDA puller agree bit for bit. What kinds of damage it catches: _checksum_torch.
 
 On a GPU the checksum must keep up with the transfer it verifies: a Triton kernel
-(checksum_kernel.py) reads each word once and sums all tensors of one word type in one launch. The
+(kernels/checksum.py) reads each word once and sums all tensors of one word type in one launch. The
 CPU keeps the torch form; both compute the same sums (see _checksum_torch), so the same value.
 """
 
@@ -79,7 +79,7 @@ def _checksum_torch(t: torch.Tensor) -> torch.Tensor:
 def _kernel_checksums(ts: list[torch.Tensor], block_rows: int | None = None) -> Callable[[], list[int]]:
     """checksum() of contiguous tensors on one device by the Triton kernel, queued (no sync): the
     call returned waits for them."""
-    from . import checksum_kernel as ck  # Triton is imported only where a GPU checksums
+    from components.engine.kernels import checksum as ck  # Triton is imported only where a GPU checksums
 
     words = [_words(t) for t in ts]
     sums, owner = ck.block_sums(words, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS)
@@ -150,7 +150,7 @@ def copy_checksums_later(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Call
     """Copy each (destination, source) pair's bytes (fused_copy_ok pairs) and checksum them in the
     same pass, queued on the current stream: the call returned waits (one sync) and gives each
     pair's checksum() of the bytes copied. Reading the bytes once instead of twice is what lets
-    a weight pull verify at close to copy speed (checksum_kernel.py)."""
+    a weight pull verify at close to copy speed (kernels/checksum.py)."""
     for d, s in pairs:
         if not fused_copy_ok(d, s):
             raise ValueError(f"cannot copy and checksum {s.nbytes} bytes at {s.data_ptr():#x} in one pass")
@@ -164,7 +164,7 @@ def _copy_kernel_checksums(
 ) -> Callable[[], list[int]]:
     """checksum() of the bytes each (destination, source) pair copies, as 32-bit words, by the
     copying kernel, queued (no sync): the call returned waits for them."""
-    from . import checksum_kernel as ck
+    from components.engine.kernels import checksum as ck
 
     sums, owner = ck.copy_block_sums(pairs, _COLS, _ROW_MOD, block_rows or ck.BLOCK_ROWS)
     return lambda: _combine(sums, owner, len(pairs))

@@ -77,7 +77,7 @@ class SameNodeExport:
         if self._ipc is None:
             self._ipc = ipc_regions(self._storages)
             if self._arena is not None and self._arena.shareable:
-                from .vmm import VmmError, VmmExporter
+                from components.engine.memory.vmm import VmmError, VmmExporter
 
                 try:
                     self._exporter = VmmExporter(self._arena, keep=True)
@@ -113,7 +113,7 @@ class SameNodeImports:
         """Ask every usable source's VMM exporters for their descriptors now, from threads (sockets
         only), so the answers arrive together, and while the caller does other work, instead of
         one source after another inside the pull. `_open` takes them; `close` drops the unused."""
-        from .vmm import receive
+        from components.engine.memory.vmm import receive
 
         for m in manifests:
             if not self.usable(m):
@@ -161,7 +161,7 @@ class SameNodeImports:
         key = (agent, g.base)
         if key not in self._opened:
             if isinstance(g, VmmRegion):
-                from .vmm import VmmImport, receive
+                from components.engine.memory.vmm import VmmImport, receive
 
                 coming = self._coming.pop(key, None)
                 lent = coming.result() if coming is not None else receive(g.address, self.timeout_s)

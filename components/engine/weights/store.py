@@ -59,11 +59,10 @@ from collections.abc import Callable, Iterable
 import msgspec
 import torch
 
+from components.engine.exchange.nixl_agent import NixlAgent, NixlError, PeerMetadataError, nixl_memory
+from components.engine.weights.checksum import checksums, checksums_later, copy_checksums_later, fused_copy_ok
+from components.engine.weights.same_node import Entry, SameNodeExport, SameNodeImports, node_id
 from components.protocol.transfer import PullItem, PullStats, SourceLoss, TensorDesc, WeightManifest
-
-from .checksum import checksums, checksums_later, copy_checksums_later, fused_copy_ok
-from .nixl_agent import NixlAgent, NixlError, PeerMetadataError, nixl_memory
-from .same_node import Entry, SameNodeExport, SameNodeImports, node_id
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The expert-parallel exchange: the communicator protocol and its errors, its transports, the expert map."""
