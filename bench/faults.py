@@ -12,10 +12,21 @@ Rows:
                                   out itself, re-pulls its reads from ranks 0 and 2 and ends done
                                   (recovered: its own failover's commit); a scale-up replaces rank 1
   leaving rank killed             SIGKILL of rank 2 while a scale-down 3 -> 2 drains it
+  every serving rank killed       SIGKILL of ranks 0, 1 and 2, 0.5 s apart: no serving rank is left
+                                  (/health 503, completions 503 with the reason) until the router
+                                  has rebuilt the deployment at 3 ranks from new processes loading
+                                  the checkpoint ("recovered": that rebuild's commit); the clients
+                                  pause 0.25 s after a failed request, which counts as lost
+  parked rank killed, then scale-up
+                                  scale 3 -> 2 (rank 2 parks), SIGKILL of parked rank 2: dropped
+                                  from the topology ("detected"), and a scale-up to 3 starts a new
+                                  process for it ("recovered": its commit)
   joiner killed in starting / pull / warmup / connecting / committing
                                   a scale-up 3 -> 4 whose joiner dies on the command sent as the
                                   operation enters that phase (injected: the joiner exits on it):
-                                  describe / pull_weights / warmup / connect / configure
+                                  describe / pull_weights / warmup / connect / configure; before
+                                  the commit a new joiner is started and the scale-up ends done,
+                                  in the commit it rolls back
   router killed                   SIGKILL of the router (`dynamo serve` restarts it; it adopts)
   router killed mid scale-up      the same while a scale-up 3 -> 4 starts its joiner
   router stalled                  SIGSTOP of the router past its liveness deadline, then SIGCONT
@@ -181,6 +192,58 @@ def leaving_rank_killed(srv: Server, args) -> dict:
     return wait_failover(srv, 2, before, t, args.timeout_s)
 
 
+def every_serving_rank_killed(srv: Server, args) -> dict:
+    """SIGKILL every serving rank, 0.5 s apart. Detected: the router's verdict that none is left;
+    recovered: the rebuild's commit (serving again at the size before)."""
+    before, size = op_ids(srv), srv.topology()["dp_size"]
+    victims = [rank_pid(srv, r) for r in srv.topology()["active"]]
+    t = time.time()
+    for i, pid in enumerate(victims):
+        if i:
+            time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + args.timeout_s
+    ops = new_ops(srv, before)
+    while time.monotonic() < deadline:
+        ops = new_ops(srv, before)
+        done = [op for op in ops if op["kind"] == "rebuild" and op["phase"] == "done"]
+        if done and not srv.topology()["scaling"]:
+            break
+        time.sleep(0.2)
+    else:
+        return {"operations": ops}
+    rebuild = done[-1]
+    return {
+        "detected_s": log_time(srv, r"every serving rank failed") - t,
+        "recovered_s": rebuild["committed_at"] - t,
+        "replaced_s": rebuild["committed_at"] - t,
+        "rebuild": f"{rebuild['id']}: {rebuild['to_size']} of {size} ranks, joined_from {rebuild['joined_from']}, "
+        f"{len(ops)} operations",
+        "operations": ops,
+    }
+
+
+def parked_rank_killed(srv: Server, args) -> dict:
+    """Scale 3 -> 2 (rank 2 parks), SIGKILL the parked rank 2, then scale up to 3. Detected: the
+    router dropped it; recovered: the scale-up's commit, a new process for rank 2."""
+    before = op_ids(srv)
+    down = scale(srv, 2)
+    assert down["parked"] == [2], down
+    t = time.time()
+    os.kill(rank_pid(srv, 2), signal.SIGKILL)
+    deadline = time.monotonic() + args.timeout_s
+    while time.monotonic() < deadline and any(r["rank"] == 2 for r in srv.topology()["ranks"]):
+        time.sleep(0.05)
+    detected = log_time(srv, r"rank 2 \(parked, pid \d+\) died: dropped") - t
+    up = scale(srv, 3)
+    return {
+        "detected_s": detected,
+        "recovered_s": up["committed_at"] - t if up["committed_at"] else None,
+        "scale_up": f"{up['phase']}: joined_from {up['joined_from']}",
+        "operations": new_ops(srv, before),
+    }
+
+
 # Row name -> the command a joiner is sent in that phase (`exit_on` makes it exit there): starting
 # ends with the router asking new instances which rank they are; committing's Configure reaches
 # the serving ranks too (paused, some already on the new epoch), so the commit rolls back.
@@ -202,11 +265,15 @@ def joiner_killed(command: str) -> Callable[[Server, argparse.Namespace], dict]:
         before = op_ids(srv)
         rec = scale(srv, 4, fault=f"exit_on={command}")
         t = log_time(srv, rf"rank \d+: injected fault: exiting on {command}$")
-        caught = log_time(srv, rf"\[op {re.escape(rec['id'])}\] (aborting in|rolling back)")
+        op = re.escape(rec["id"])
+        caught = log_time(srv, rf"\[op {op}\] (aborting in|rolling back|joiner \d+ died during)")
+        retried = [f"rank {r['rank']} in {r['phase']}" for r in rec["joiner_retries"]]
         return {
             "detected_s": caught - t,
             "recovered_s": ended(rec) - t,
-            "aborted": f"{rec['phase']} in {list(rec['phases'])[-1]}: {rec['error']}",
+            "outcome": f"{rec['phase']}"
+            + (f", new joiner after {retried}" if retried else "")
+            + (f" in {list(rec['phases'])[-1]}: {rec['error']}" if rec["error"] else ""),
             "operations": new_ops(srv, before),
         }
 
@@ -337,6 +404,8 @@ FAULTS: dict[
     "serving rank killed mid scale-up": (serving_rank_killed_mid_scale_up, ["--Router.allow_fault_injection=true"]),
     "source rank killed mid pull": (source_killed_mid_pull, ["--Router.allow_fault_injection=true"]),
     "leaving rank killed": (leaving_rank_killed, []),
+    "every serving rank killed": (every_serving_rank_killed, []),
+    "parked rank killed, then scale-up": (parked_rank_killed, []),
     **{
         f"joiner killed in {row}": (joiner_killed(c), ["--Router.allow_fault_injection=true"])
         for row, c in JOINER_PHASES.items()
@@ -360,7 +429,7 @@ def run_row(fault: str, args, reference: list[str]) -> dict:
         boot_timeout_s=600,
     )
     try:
-        with Traffic(srv, PROMPTS, MAX_TOKENS, clients=args.clients) as traffic:
+        with Traffic(srv, PROMPTS, MAX_TOKENS, clients=args.clients, error_pause_s=0.25) as traffic:
             time.sleep(args.warmup_s)
             measured = inject(srv, args)
             time.sleep(args.settle_s)

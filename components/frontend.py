@@ -18,8 +18,11 @@ import socket
 import sys
 from typing import Any, ClassVar
 
+import msgspec
+
 from components.graph.component import Component, component_config, load_context
 from components.protocol.config import FrontendConfig
+from components.protocol.config import RouterConfig as ElasticRouterConfig
 
 log = logging.getLogger("components.frontend")
 
@@ -86,9 +89,11 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-async def guard(cfg: FrontendConfig, upstream: str):
+async def guard(cfg: FrontendConfig, upstream: str, router_health: str = ""):
     """The public listener: refuse `DROPPED` parameters with a 400 naming them (in Dynamo's error
-    shape), pass everything else to Dynamo's service at `upstream`."""
+    shape), pass everything else to Dynamo's service at `upstream`. While the router's
+    `router_health` says no rank serves, Dynamo's answer that no instance serves the model
+    becomes a 503 with the router's reason."""
     import aiohttp
     from aiohttp import web
 
@@ -97,6 +102,14 @@ async def guard(cfg: FrontendConfig, upstream: str):
         timeout=aiohttp.ClientTimeout(total=None),
         auto_decompress=False,
     )
+
+    async def no_serving_rank() -> str | None:
+        try:
+            async with session.get(router_health, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                health = await r.json()
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return None
+        return health.get("reason") if health.get("status") == "no serving rank" else None
 
     async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -117,6 +130,11 @@ async def guard(cfg: FrontendConfig, upstream: str):
         # Leaving this block early (the client went away) closes the upstream connection, which
         # cancels the request in Dynamo as a direct client's disconnect would.
         async with up:
+            # No instance serves the model: Dynamo's 503 "not ready", or 404 once it dropped the model.
+            if up.status in (404, 503) and request.path in GUARDED_PATHS and router_health:
+                why = await no_serving_rank()
+                if why is not None:
+                    return web.json_response({"message": why, "type": "Service Unavailable", "code": 503}, status=503)
             resp = web.StreamResponse(
                 status=up.status,
                 reason=up.reason,
@@ -157,7 +175,8 @@ async def serve(cfg: FrontendConfig) -> None:
         loop.add_signal_handler(sig, rt.shutdown)
 
     internal = _free_loopback_port()
-    public = asyncio.ensure_future(guard(cfg, f"http://127.0.0.1:{internal}"))
+    health = msgspec.convert(ctx.configs.get("Router", {}), ElasticRouterConfig).health_url
+    public = asyncio.ensure_future(guard(cfg, f"http://127.0.0.1:{internal}", health))
     args = EntrypointArgs(
         EngineType.Dynamic,
         http_host="127.0.0.1",

@@ -259,7 +259,8 @@ def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 0
 class Traffic:
     """Clients streaming greedy completions of `prompts` until stopped; every request is recorded
     as (prompt index, text, start, end), every failure as (prompt index, error). `on_chunk` sees
-    every streamed chunk (Server.stream_text)."""
+    every streamed chunk (Server.stream_text). A client waits `error_pause_s` after a failure
+    (an outage then costs a countable number of refused requests)."""
 
     def __init__(
         self,
@@ -268,8 +269,10 @@ class Traffic:
         max_tokens: int,
         clients: int = 4,
         on_chunk: Callable[[float, float | None], None] | None = None,
+        error_pause_s: float = 0.0,
     ):
         self.srv, self.prompts, self.max_tokens, self.on_chunk = srv, prompts, max_tokens, on_chunk
+        self.error_pause_s = error_pause_s
         self.results, self.errors = [], []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
@@ -285,6 +288,7 @@ class Traffic:
                 self.results.append((p, text, t0, time.time()))
             except Exception as e:  # recorded: tests assert there are none
                 self.errors.append((p, repr(e)))
+                time.sleep(self.error_pause_s)
 
     def __enter__(self):
         for t in self.threads:
@@ -298,7 +302,9 @@ class Traffic:
 
 
 def scale(srv: Server, n: int, **extra) -> dict:
-    """POST /scale and wait for the operation; returns its record."""
+    """POST /scale and wait for the operation; returns its record (200 if it is done, else 500)."""
     r = srv.control("POST", "/scale?wait=true", json={"dp_size": n, **extra}, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()
+    assert r.status_code in (200, 500), r.text
+    rec = r.json()
+    assert r.status_code == (200 if rec["phase"] == "done" else 500), (r.status_code, r.text)
+    return rec

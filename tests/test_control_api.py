@@ -250,6 +250,9 @@ def test_a_rank_that_does_not_answer_does_not_hold_up_finding_a_dead_one():
         def alive(self, rank):
             return rank != 1
 
+        def prune(self):
+            pass
+
     class Scaler:
         failing: set[int] = set()
         current = None

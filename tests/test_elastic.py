@@ -1,5 +1,6 @@
 """Elastic scaling end to end: `dynamo serve graphs/elastic:Frontend`, streaming OpenAI clients,
-scale 2 -> 4 -> 3 -> 2 through the router's API; failures injected into joiners abort cleanly.
+scale 2 -> 4 -> 3 -> 2 through the router's API; a joiner that dies is replaced, other failures
+injected into joiners abort cleanly.
 
 Greedy outputs are judged token for token against the single-rank in-process engine."""
 
@@ -115,22 +116,36 @@ def test_vllm_compatible_api(server):
     assert server.control("POST", "/is_scaling_elastic_ep").json() == {"is_scaling": False}
 
 
-FAULTS = [
+DEATHS = [
     ("exit_on=describe", "starting"),  # dies before it registered
     ("exit_on=pull_weights", "loading"),
-    ("corrupt_pull", "loading"),  # checksum mismatch
     ("exit_on=connect", "connecting"),
     ("exit_on=warmup", "warming"),
 ]
 
 
-@pytest.mark.parametrize("fault,phase", FAULTS)
-def test_failed_prepare_aborts_and_old_topology_serves(server, reference, fault, phase):
-    before = server.topology()
+@pytest.mark.parametrize("fault,phase", DEATHS)
+def test_a_joiner_that_dies_before_the_commit_is_replaced_by_a_new_one(server, reference, fault, phase):
+    """The joiner exits in this phase (injected into it alone): the scale-up starts a new one for
+    its rank and reaches its target, the retry in its record."""
     with Traffic(server, clients=2) as traffic:
         op = scale(server, 3, fault=fault)
+    assert op["phase"] == "done", op
+    assert [(r["rank"], r["phase"], r["attempt"]) for r in op["joiner_retries"]] == [(2, phase, 2)], op
+    assert server.topology()["active"] == [0, 1, 2]
+    assert traffic.errors == []
+    assert all(toks == reference[p] for p, toks, _, _ in traffic.results)
+    assert scale(server, 2)["phase"] == "done"
+
+
+def test_a_failed_prepare_aborts_and_old_topology_serves(server, reference):
+    """A pulled tensor fails its checksum (the joiner lives on: nothing to retry): aborted in
+    loading, the old topology serves on."""
+    before = server.topology()
+    with Traffic(server, clients=2) as traffic:
+        op = scale(server, 3, fault="corrupt_pull")
     assert op["phase"] == "aborted", op
-    assert list(op["phases"])[-1] == phase, op  # it failed, and was caught, in this phase
+    assert list(op["phases"])[-1] == "loading", op  # it failed, and was caught, in this phase
     after = server.topology()
     assert (after["dp_size"], after["active"]) == (before["dp_size"], before["active"])
     assert traffic.errors == []

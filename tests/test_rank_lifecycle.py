@@ -164,6 +164,13 @@ SEQUENCES = {
             m.SetRoutable,
         ],
     ),
+    # Every serving rank failed: the deployment's new ranks load the checkpoint, then commit.
+    "rank of a rebuilt deployment": (
+        S.BOOTING,
+        [m.Describe, (m.LoadWeights, S.LOADED), (m.Connect, S.STAGED), m.Pause, m.Configure, (m.Resume, S.ACTIVE)]
+        + [m.SetRoutable],
+    ),
+    "parked rank in a rebuilt deployment": (S.PARKED, [(m.Restore, S.RESTORED), (m.LoadWeights, S.LOADED)]),
     # Its first pull lost a source (the rest pulled; DropSources may come before or during it):
     # loaded once the re-pull brought what that source was to send.
     "joiner whose source failed mid-pull": (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from components.control import scaler as scaler_module
@@ -55,7 +56,11 @@ def test_every_phase_can_finish_and_the_paths_are_the_documented_ones():
         Phase.REBALANCING,
         Phase.DONE,
     ]
-    for path in (up, down, [Phase.QUEUED, Phase.PAUSING, Phase.STARTING]):
+    # Every serving rank failed: fenced, then a new group formed from the checkpoint.
+    rebuild = [Phase.QUEUED, Phase.MASKING, Phase.STARTING, Phase.LOADING, Phase.CONNECTING, Phase.COMMITTING]
+    # A scale-up whose joiner died starts a new one, from whichever phase of its preparation.
+    retries = [[p, Phase.STARTING] for p in (Phase.STARTING, Phase.LOADING, Phase.WARMING, Phase.CONNECTING)]
+    for path in (up, down, rebuild, *retries, [Phase.QUEUED, Phase.PAUSING, Phase.STARTING]):
         assert all(b in _NEXT[a] for a, b in zip(path, path[1:])), path
 
 
@@ -632,3 +637,144 @@ def test_ranks_an_operation_masked_out_are_replaced(monkeypatch, end, then):
     assert owner.committed.active == sorted([*then[0], 1]) and last.phase == "done"
     outcomes = {"done": 2} if end == "done" else {end: 1, "done": 1}
     assert scalers[0].tally == Tally(outcomes={"up": outcomes}, masked_ranks=1) and not scalers[0].failing
+
+
+def test_every_serving_rank_failed_is_a_rebuild_from_the_checkpoint():
+    """Ranks 0 and 1, the whole active set, failed: nothing to fail over to. The operation fences
+    both, starts two ranks (a parked one first, here rank 3), which load every weight from the
+    checkpoint, connect each other and are committed under the next epoch, then made routable.
+    None is told that the dead ranks are gone: rank 0's number is a new rank's."""
+
+    class WithParked(Ranks):
+        async def acquire(self, ranks, op, fault=""):
+            return {r: "parked" if r == 3 else "cold" for r in ranks}
+
+    ranks = WithParked([0, 1, 3])
+    ranks.statuses[3] = msgspec.structs.replace(ranks.statuses[3], state=RankState.PARKED)
+    before = balanced_placement(1, 4, 4, S, [0, 1])
+    op = Operation(
+        ScaleRequest(dp_size=2), Committed(epoch=3, active=[0, 1], placement=before), [], ranks, ranks,
+        RouterConfig(), max_ranks=4, num_experts=4, failed=[0, 1],
+    )  # fmt: skip
+    assert (op.record.kind, op.joiners, op.topology.active, op.id.split("-", 2)[2]) == (
+        "rebuild",
+        [0, 3],
+        [],
+        "rebuild-2to2",
+    )
+    asyncio.run(op.execute(lambda: []))
+    assert (op.record.phase, op.record.error, op.record.masked) == ("done", "", [0, 1]), op.record
+    assert ranks.fenced == [(0, 100), (1, 101)]
+    assert list(op.record.phases) == ["masking", "starting", "loading", "connecting", "committing"]
+    placement = balanced_placement(1, 4, 4, S, [0, 3])
+    loads = [(r, x.placement) for r, x in ranks.sent if isinstance(x, m.LoadWeights)]
+    assert loads == [(0, placement), (3, placement)]
+    assert [(r, sorted(c.peers)) for r, c in ranks.sent if isinstance(c, m.Connect)] == [(0, [3]), (3, [0])]
+    assert [(r, c.epoch, c.active) for r, c in ranks.sent if isinstance(c, m.Configure)] == [
+        (0, 4, [0, 3]),
+        (3, 4, [0, 3]),
+    ]
+    assert all(p.gone == [] for p in ranks.messages(m.Pause))
+    assert [r for r, x in ranks.sent if isinstance(x, m.Restore)] == [3]  # the parked one came back
+    assert [r for r, x in ranks.sent if isinstance(x, m.SetRoutable) and x.routable] == [0, 3]
+    assert op.topology == Committed(epoch=4, active=[0, 3], placement=placement)
+
+
+def test_a_deployment_that_cannot_be_rebuilt_backs_off_and_never_spins(monkeypatch, caplog):
+    """Both serving ranks failed and every rebuild fails (no process can be started): the
+    attempts are spaced 1, 2, 4, ... s apart up to Router.retry_backoff_max_s, each logged, and
+    a request for another size is taken as the size to rebuild at."""
+
+    class NoProcesses(Ranks):
+        async def acquire(self, ranks, op, fault=""):
+            raise RuntimeError("no process can be started")
+
+    waits: list[float] = []
+    ranks = NoProcesses([0, 1])
+
+    async def sleep(s):
+        waits.append(s)
+        if len(waits) == 3:
+            scaler.request(ScaleRequest(dp_size=3))
+        if len(waits) == 6:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(scaler_module.asyncio, "sleep", sleep)
+    owner = Owner()
+    owner.committed = Committed(epoch=1, active=[0, 1], placement=balanced_placement(1, 4, 4, S, [0, 1]))
+    scaler = Scaler(owner, ranks, ranks, RouterConfig(retry_backoff_max_s=5), max_ranks=4)
+    scaler.fail([0, 1])
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(scaler._work())
+    assert waits == [1, 2, 4, 5, 5, 5]
+    assert [(r.kind, r.to_size, r.phase) for r in scaler.history] == [("rebuild", 2, "aborted")] * 3 + [
+        ("rebuild", 3, "aborted")
+    ] * 3
+    assert scaler.history[0].masked == [0, 1] and scaler.history[1].masked == []
+    assert ranks.fenced == [(0, 100), (1, 101)]  # once
+    assert "the next attempt in 4.0 s" in caplog.text and scaler.lost and scaler.busy
+
+
+THREE = balanced_placement(1, 4, 4, S, [0, 1, 2])
+
+
+async def pulls_all(ranks: Ranks, rank: int, msg: m.PullWeights) -> m.ControlReply:
+    n = len(msg.items)
+    return m.ControlReply(ok=True, pull=PullStats(tensors=n, bytes=8 * n, seconds=0.1, per_source={}, lost=[]))
+
+
+class JoinerDiesOnce(Ranks):
+    """Joiner 3's first process exits on its first PullWeights; the one started after it is fine."""
+
+    def __init__(self):
+        super().__init__(pull=pulls_all)
+        self.started = 0
+        self.dead = False
+
+    async def acquire(self, ranks, op, fault=""):
+        self.started += 1
+        self.dead = False
+        return {r: "cold" for r in ranks}
+
+    async def send(self, rank, msg):
+        if isinstance(msg, m.PullWeights) and rank == 3 and self.started == 1:
+            self.dead = True
+            await asyncio.Event().wait()  # its stream never answers: the process is gone
+        return await super().send(rank, msg)
+
+    def alive(self, rank):
+        return False if rank == 3 and self.dead else None
+
+
+def test_a_scale_up_whose_joiner_dies_starts_a_new_one_and_reaches_its_target():
+    ranks = JoinerDiesOnce()
+    op = Operation(
+        ScaleRequest(dp_size=4), Committed(epoch=1, active=[0, 1, 2], placement=THREE),
+        [], ranks, ranks, RouterConfig(rebalance=False), max_ranks=4, num_experts=4,
+    )  # fmt: skip
+    asyncio.run(op.execute(lambda: []))
+    assert (op.record.phase, op.record.error, op.topology.active) == ("done", "", [0, 1, 2, 3]), op.record
+    assert [(r.rank, r.phase, r.attempt) for r in op.record.joiner_retries] == [(3, "loading", 2)]
+    assert op.record.joiner_retries[0].error == "ScaleError: rank 3 died during loading"
+    assert ranks.started == 2
+    assert [r for r, x in ranks.sent if isinstance(x, m.Disconnect)] == [0, 1, 2]  # the dead one forgotten
+    assert list(op.record.phases) == ["starting", "loading", "warming", "connecting", "committing"]
+
+
+def test_a_joiner_that_dies_every_time_aborts_the_scale_up_saying_so():
+    class AlwaysDies(JoinerDiesOnce):
+        async def acquire(self, ranks, op, fault=""):
+            self.started, self.dead = 1, False
+            return {r: "cold" for r in ranks}
+
+    ranks = AlwaysDies()
+    op = Operation(
+        ScaleRequest(dp_size=4), Committed(epoch=1, active=[0, 1, 2], placement=THREE),
+        [], ranks, ranks, RouterConfig(joiner_retries=2), max_ranks=4, num_experts=4,
+    )  # fmt: skip
+    asyncio.run(op.execute(lambda: []))
+    assert op.record.phase == "aborted" and len(op.record.joiner_retries) == 2, op.record
+    assert op.record.error == (
+        "ScaleError: joiners [3] died during loading, after 2 retries (Router.joiner_retries): "
+        "ScaleError: rank 3 died during loading"
+    )

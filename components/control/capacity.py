@@ -85,6 +85,10 @@ class CapacityProvider(Protocol):
         """A serving rank was found dead or stalled: make sure it can never act again (a stalled
         process that resumed would serve a topology that no longer exists), whoever started it."""
 
+    def prune(self) -> None:
+        """Drop spare capacity whose process died (standby copies), so that no scale-up takes it;
+        called with every status round. Parked ranks the router drops itself (`release`)."""
+
     def settled(self, op: str) -> None:
         """Operation `op` ended (done, rolled back or aborted): work held back so that it would
         not compete with the operation's joiners may start now."""
@@ -182,6 +186,10 @@ class LocalProvider:
         self.refused = {}
         new: list[int] = []
         for rank in ranks:
+            pid = self.parked.get(rank, (0, False))[0]
+            if rank in self.parked and _gone(pid):  # died before the router saw it
+                log.warning("[op %s] Worker.%d: its parked process (pid %d) is gone; a new one instead", op, rank, pid)
+                await self.release(rank, op, graceful=False)
             if rank in self.parked and not fault:
                 if await self._unpark(rank, op):
                     how[rank] = "parked"
@@ -508,6 +516,16 @@ class LocalProvider:
                 log.info("[op %s] Worker.%d (pid %d) is already gone", op, rank, pid)
                 return
             log.warning("[op %s] Worker.%d (pid %d) fenced: SIGKILL", op, rank, pid)
+
+    def prune(self) -> None:
+        with self._standby_lock:
+            dead = [c for c in self._standby if _gone(c.restored.pid)]
+            self._standby = [c for c in self._standby if c not in dead]
+        for copy in dead:
+            log.warning("standby copy pid %d died: dropped, another is restored", copy.restored.pid)
+            _discard(copy)
+        if dead:
+            self._refill()
 
     def settled(self, op: str) -> None:
         # Replacing the copies taken (or those of a snapshot no longer chosen) waits for the

@@ -205,6 +205,9 @@ class KubernetesProvider:
         status, body = await self._req("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{self.statefulset}-{rank}")
         log.warning("[op %s] rank %d fenced: pod deleted (HTTP %d)", op, rank, status)
 
+    def prune(self) -> None:
+        pass  # no standby copies: pods are the StatefulSet's
+
     def settled(self, op: str) -> None:
         pass  # nothing is held back: pods are the StatefulSet's to schedule
 

@@ -29,6 +29,7 @@ import msgspec
 
 from components.control.capacity import CapacityProvider
 from components.protocol.config import RouterConfig
+from components.protocol.lifecycle import RankState
 from components.protocol.messages import (
     Configure,
     Connect,
@@ -40,6 +41,7 @@ from components.protocol.messages import (
     Exit,
     ExportWeights,
     LoadExperts,
+    LoadWeights,
     Park,
     Pause,
     PullWeights,
@@ -49,8 +51,16 @@ from components.protocol.messages import (
     SetRoutable,
     Warmup,
 )
-from components.protocol.placement import Placement, changed_slots, grow, interim, rebalance, shrink
-from components.protocol.topology import Committed, OpRecord, PullLoss, ScaleMode, ScaleRequest
+from components.protocol.placement import (
+    Placement,
+    balanced_placement,
+    changed_slots,
+    grow,
+    interim,
+    rebalance,
+    shrink,
+)
+from components.protocol.topology import Committed, JoinerRetry, OpRecord, PullLoss, ScaleMode, ScaleRequest
 from components.protocol.transfer import (
     EXPERT_PARTS,
     PullItem,
@@ -85,14 +95,15 @@ class Phase(enum.Enum):
     ROLLED_BACK = "rolled_back"  # the commit failed: back to the previous set, new epoch
 
 
+# Back to STARTING from any phase of a scale-up's preparation: a joiner died, a new one starts.
 _NEXT = {
     Phase.QUEUED: {Phase.PAUSING, Phase.STARTING, Phase.DRAINING, Phase.MASKING},
-    Phase.MASKING: {Phase.COMMITTING, Phase.LOADING},
+    Phase.MASKING: {Phase.COMMITTING, Phase.LOADING, Phase.STARTING},  # STARTING: a rebuild's new ranks
     Phase.PAUSING: {Phase.STARTING, Phase.DRAINING},
-    Phase.STARTING: {Phase.LOADING},
-    Phase.LOADING: {Phase.WARMING, Phase.CONNECTING, Phase.MASKING},  # a source failed mid-pull
-    Phase.WARMING: {Phase.CONNECTING},
-    Phase.CONNECTING: {Phase.COMMITTING},
+    Phase.STARTING: {Phase.LOADING, Phase.STARTING},
+    Phase.LOADING: {Phase.WARMING, Phase.CONNECTING, Phase.MASKING, Phase.STARTING},  # MASKING: a source failed
+    Phase.WARMING: {Phase.CONNECTING, Phase.STARTING},
+    Phase.CONNECTING: {Phase.COMMITTING, Phase.STARTING},
     Phase.DRAINING: {Phase.MIGRATING},
     Phase.MIGRATING: {Phase.COMMITTING},  # also the follow-up EPLB's
     Phase.COMMITTING: {Phase.REBALANCING, Phase.CLEANUP, Phase.DONE},
@@ -146,15 +157,24 @@ class Operation:
     ):
         self.req, self.topology, self.load, self.on_change = req, topology, load, on_change
         self.port, self.provider, self.cfg, self.num_experts = port, provider, cfg, num_experts
+        self.max_ranks = max_ranks
         self.failed = sorted(failed)
         size = len(topology.active)
-        kind = "failover" if failed else "up" if req.dp_size > size else "down"
+        if not [r for r in topology.active if r not in self.failed]:
+            # Nothing left to fail over to: the group is formed again from scratch. The ranks it
+            # takes, parked ones first, may have the numbers of the dead (fenced by then).
+            kind = "rebuild"
+            self.topology = Committed(epoch=topology.epoch, active=[], placement=topology.placement)
+            pool = sorted(range(max_ranks), key=lambda r: (not self._parked(r), r))
+            self.joiners = sorted(pool[: req.dp_size])
+        else:
+            kind = "failover" if failed else "up" if req.dp_size > size else "down"
+            free = [r for r in range(max_ranks) if r not in topology.active]
+            self.joiners = free[: max(0, req.dp_size - size)] if kind == "up" else []
         self.id = f"op-{next(self._ids)}-{kind}-{size}to{req.dp_size}"
         self.t0 = time.monotonic()
         self._phase_t0 = self.t0
         self.phase = Phase.QUEUED
-        free = [r for r in range(max_ranks) if r not in topology.active]
-        self.joiners = free[: max(0, req.dp_size - size)] if kind == "up" else []
         self.leaving = self.failed or (sorted(topology.active)[req.dp_size :] if kind == "down" else [])
         self.record = OpRecord(
             id=self.id,
@@ -176,6 +196,12 @@ class Operation:
         self.gave_way_to: list[int] = []  # those serving ranks
         self._background: set[asyncio.Future] = set()
         self.pause_t0: float | None = None  # mode A: when serving stopped
+
+    def _parked(self, rank: int) -> bool:
+        try:
+            return self.port.status(rank).state is RankState.PARKED
+        except KeyError:
+            return False
 
     @classmethod
     def number_after(cls, last: int) -> None:
@@ -250,6 +276,20 @@ class Operation:
             return task.result()
 
         return await asyncio.gather(*(one(r) for r in ranks))
+
+    async def giving_way(self, awaitable):
+        """Await `awaitable` (that sends no command), giving way at once to a serving rank that
+        fails meanwhile, as `call` does: a joiner's process takes seconds to come up."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while not task.done():
+                failing = [] if self.undoing or self.absorbs else self.failing_serving()
+                if failing:
+                    raise self.give_way(failing)
+                await asyncio.wait({task}, timeout=0.05)
+            return task.result()
+        finally:
+            task.cancel()
 
     @property
     def absorbs(self) -> bool:
@@ -623,23 +663,76 @@ class Operation:
 
     # ---- the operations ----------------------------------------------------------------------
     async def scale_up(self) -> None:
-        req, current = self.req, self.topology.placement
-        target = grow(current, self.joiners, self.num_experts, self.load)
+        req = self.req
         if req.mode is ScaleMode.BLOCKING:
             self.transition(Phase.PAUSING, "mode A stops serving for the whole operation")
             await self.pause_all()
-        self.transition(Phase.STARTING, f"joiners {self.joiners}")
-        self.record.joined_from = await self.provider.acquire(self.joiners, self.id, req.fault)
+        target = await self.prepare_joiners()
+        self.transition(Phase.COMMITTING)
+        rebuild = req.mode.warms_inside_pause
+        downtime = await self.commit(
+            sorted(self.active + self.joiners), target, warm=self.joiners if rebuild else (), recapture=rebuild
+        )
+        self.scale_committed(downtime)
+        await self.call(self.joiners, lambda r: SetRoutable(routable=True))
+
+    async def prepare_joiners(self) -> Placement:
+        """Start, load, warm up and connect the joiners; returns the placement to commit. A
+        joiner whose process dies on the way is replaced by a new one (the others start anew
+        too: they hold connections to it), up to Router.joiner_retries times."""
+        fault, why, attempt = self.req.fault, f"joiners {self.joiners}", 1
+        while True:
+            self.transition(Phase.STARTING, why)
+            try:
+                return await self.prepare(fault)
+            except Exception as e:
+                dead = [j for j in self.joiners if self.provider.alive(j) is False]
+                if not dead or self.preempted:
+                    raise
+                error = f"{type(e).__name__}: {e}"
+                if attempt > self.cfg.joiner_retries:
+                    raise ScaleError(
+                        f"joiners {dead} died during {self.phase.value}, after {attempt - 1} retries "
+                        f"(Router.joiner_retries): {error}"
+                    ) from e
+                for j in dead:
+                    self.record.joiner_retries.append(JoinerRetry(j, self.phase.value, error, attempt + 1))
+                    log.warning(
+                        "[op %s] joiner %d died during %s (%s): a new one starts (attempt %d of %d)",
+                        self.id,
+                        j,
+                        self.phase.value,
+                        error,
+                        attempt + 1,
+                        self.cfg.joiner_retries + 1,
+                    )
+                self.undoing = True  # the serving group forgets the joiners whatever happens meanwhile
+                try:
+                    await self.drop_joiners()
+                finally:
+                    self.undoing = False
+                attempt += 1
+                fault, why = "", f"new joiners {self.joiners}, attempt {attempt}"  # a fault was the first's
+
+    async def start_joiners(self, fault: str) -> None:
+        """Bring the joiners' processes up (parked, restored from a snapshot, or new) and find them."""
+        self.record.joined_from = await self.provider.acquire(self.joiners, self.id, fault)
         self.record.snapshot_refused = dict(self.provider.refused)
         for r, how in self.record.joined_from.items():
             if how != "parked":  # a new process: whatever instance this rank had is gone
                 self.port.forget(r)
-        await self.port.discover(self.joiners, self.provider, self.cfg.prepare_timeout_s)
+        await self.giving_way(self.port.discover(self.joiners, self.provider, self.cfg.prepare_timeout_s))
         for r, how in self.record.joined_from.items():
             if how != "parked":  # a new process says whether a snapshot fitted
                 self.record.joined_from[r] = self.port.status(r).started_from
         restored = [r for r, how in self.record.joined_from.items() if how == "parked"]
         await self.call(restored, lambda r: Restore())
+
+    async def prepare(self, fault: str) -> Placement:
+        """One attempt of `prepare_joiners`, from STARTING."""
+        req, current = self.req, self.topology.placement
+        target = grow(current, self.joiners, self.num_experts, self.load)
+        await self.start_joiners(fault)
         self.transition(Phase.LOADING, "dense weights spread over serving ranks, experts per the target map")
         await self.pull_experts(current, target, list(self.active), dense_to=self.joiners)
         if self.failed:  # masked out meanwhile: the joiners' slots as planned, the others the survivors'
@@ -651,12 +744,30 @@ class Operation:
         meta = {r: self.port.status(r).metadata for r in self.active + self.joiners}
         await self.call(self.active, lambda r: Connect(peers={j: meta[j] for j in self.joiners}, activate=False))
         await self.call(self.joiners, lambda r: Connect(peers={p: m for p, m in meta.items() if p != r}))
-        self.transition(Phase.COMMITTING)
-        rebuild = req.mode.warms_inside_pause
-        downtime = await self.commit(
-            sorted(self.active + self.joiners), target, warm=self.joiners if rebuild else (), recapture=rebuild
+        return target
+
+    async def rebuild(self) -> None:
+        """Every serving rank failed: fence them all, then form a group of `req.dp_size` ranks
+        from scratch as the first one was, every weight from the checkpoint."""
+        lost = self.failures(self.failed) if self.failed else "no rank serves"
+        self.transition(Phase.MASKING, f"{lost}: no survivor; a new group of {self.req.dp_size} from scratch")
+        await self.fence(self.failed)
+        self.record.masked = list(self.failed)
+        # Not `gone` to anyone from here: their numbers may be the new ranks'.
+        self.failed = []
+        self.transition(Phase.STARTING, f"ranks {self.joiners}")
+        await self.start_joiners(self.req.fault)
+        st = self.port.status(self.joiners[0])
+        placement = balanced_placement(
+            st.num_moe_layers, self.num_experts, self.max_ranks, st.slots_per_rank, self.joiners
         )
-        self.scale_committed(downtime)
+        self.transition(Phase.LOADING, "every weight from the checkpoint")
+        await self.call(self.joiners, lambda r: LoadWeights(placement=placement))
+        self.transition(Phase.CONNECTING, "the new ranks connect each other")
+        meta = {r: self.port.status(r).metadata for r in self.joiners}
+        await self.call(self.joiners, lambda r: Connect(peers={p: m for p, m in meta.items() if p != r}))
+        self.transition(Phase.COMMITTING)
+        self.scale_committed(await self.commit(self.joiners, placement, involved=self.joiners))
         await self.call(self.joiners, lambda r: SetRoutable(routable=True))
 
     async def scale_down(self) -> None:
@@ -770,6 +881,20 @@ class Operation:
         log.error("[op %s] aborting in %s: %s", self.id, self.phase.value, reason)
         self.undoing = True
         t = self.cfg.commit_timeout_s
+        await self.drop_joiners()
+        # Not those found dead (a failover's, or those its rollback masked out).
+        back = [r for r in self.leaving if r in self.active and r not in self.failed]
+        if back:  # back into routing: they never left the active set
+            await asyncio.gather(
+                *(self.call([r], lambda r: SetRoutable(routable=True), t) for r in back),
+                return_exceptions=True,
+            )
+        if self.pause_t0 is not None:  # mode A paused serving for the operation
+            await asyncio.gather(*(self.call([r], lambda r: Resume(), t) for r in self.active), return_exceptions=True)
+
+    async def drop_joiners(self) -> None:
+        """The serving group forgets the joiners, and their processes go."""
+        t = self.cfg.commit_timeout_s
         if self.joiners:
             failing = self.failing_serving()
             disconnect = asyncio.gather(
@@ -789,22 +914,14 @@ class Operation:
                 else:
                     await self.provider.release(j, self.id, graceful=False)
                 self.port.forget(j)
-        # Not those found dead (a failover's, or those its rollback masked out).
-        back = [r for r in self.leaving if r in self.active and r not in self.failed]
-        if back:  # back into routing: they never left the active set
-            await asyncio.gather(
-                *(self.call([r], lambda r: SetRoutable(routable=True), t) for r in back),
-                return_exceptions=True,
-            )
-        if self.pause_t0 is not None:  # mode A paused serving for the operation
-            await asyncio.gather(*(self.call([r], lambda r: Resume(), t) for r in self.active), return_exceptions=True)
 
     async def execute(self, load_now: Callable[[], list[list[int]]]) -> Committed:
         """Run the operation; `load_now` gives the measured expert load for the follow-up EPLB."""
         try:
             kind = self.record.kind
-            await (self.scale_up() if kind == "up" else self.scale_down() if kind == "down" else self.failover())
-            if self.cfg.rebalance and kind != "failover":
+            run = {"up": self.scale_up, "down": self.scale_down, "failover": self.failover, "rebuild": self.rebuild}
+            await run[kind]()
+            if self.cfg.rebalance and kind in ("up", "down"):
                 self.transition(Phase.REBALANCING, "async EPLB from measured load")
                 await self.rebalance(load_now())
             self.transition(Phase.DONE)

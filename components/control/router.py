@@ -79,13 +79,11 @@ class Router(Component):
                 "memory was exported for CUDA IPC cannot be restored"
             )
         # Restarted when it dies or hangs: the ranks serve on meanwhile, and it adopts what they serve.
-        host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
-        health = f"http://{f'[{host}]' if ':' in host else host}:{config.port}/health"
         return [
             msgspec.structs.replace(
                 s,
                 restart=True,
-                health_url=health,
+                health_url=config.health_url,
                 liveness_timeout_s=config.liveness_timeout_s,
                 startup_timeout_s=config.startup_timeout_s,
             )
@@ -121,6 +119,7 @@ ADOPT_SETTLE_S = 1.0
 DISCOVER_POLL_S = 0.01
 RETRY_DESCRIBE_S = 0.1  # an instance that failed to describe itself is asked again after this
 MAX_JSON_DEPTH = 8
+NO_SERVING_RANK = "no serving rank"  # /health's status while every serving rank is lost
 
 
 class ControlAccessLog(AbstractAccessLogger):
@@ -405,9 +404,34 @@ class RouterService:
                 await asyncio.wait(probes.values(), timeout=interval)
             for r, st in list(self.statuses.items()):
                 provider.watch(r, st.pid)
+            await self.drop_dead_spares(provider)
             failed = self.find_failed(provider)
             if failed:
                 self.scaler.fail(sorted(failed))
+
+    async def drop_dead_spares(self, provider: CapacityProvider) -> None:
+        """Parked ranks whose process died are dropped at once (and dead standby copies, by the
+        provider): a scale-up must never choose one."""
+        provider.prune()
+        op = self.scaler.current if self.scaler else None
+        taken = set(op.joiners) if op else set()
+        for r, st in list(self.statuses.items()):
+            if st.state is RankState.PARKED and r not in taken and provider.alive(r) is False:
+                log.warning("rank %d (parked, pid %d) died: dropped from the topology", r, st.pid)
+                self.forget(r)
+                await provider.release(r, "-", graceful=False)
+
+    def unavailable(self) -> str | None:
+        """Why no rank serves, or None while one does (or the first group is still forming)."""
+        sc = self.scaler
+        if not self.ready.is_set() or sc is None:
+            return None
+        if self.active and not sc.lost and not set(self.active) <= sc.failing:
+            return None
+        op = sc.current
+        doing = f" (operation {op.id}, {op.phase.value})" if op and op.record.kind == "rebuild" else ""
+        size = sc.lost_size or len(self.active)
+        return f"every serving rank failed: no serving rank until the deployment is rebuilt at {size} ranks{doing}"
 
     async def _probe(self, rank: int) -> None:
         try:
@@ -443,14 +467,20 @@ class RouterService:
     # ---- HTTP ----------------------------------------------------------------------------------
     def topology(self) -> Topology:
         placement = self.committed.placement
-        views = [RankView.of(st, placement) for _, st in sorted(self.statuses.items())]
         sc = self.scaler
+        # A rank found dead is shown so, not as the state it last reported.
+        dead = {r for r in self.statuses if sc and (r in sc.failing or sc.provider.alive(r) is False)}
+        views = [
+            RankView.of(msgspec.structs.replace(st, state=RankState.FAILED) if r in dead else st, placement)
+            for r, st in sorted(self.statuses.items())
+        ]
         op = sc.current.record if sc and sc.current else (sc.history[-1] if sc and sc.history else None)
+        active = [] if self.unavailable() else self.active
         return Topology(
             epoch=self.epoch,
-            dp_size=len(self.active),
+            dp_size=len(active),
             max_ranks=self.wcfg.max_ranks,
-            active=self.active,
+            active=active,
             ranks=views,
             scaling=bool(sc and sc.busy),
             target=sc.pending.dp_size if sc and sc.pending else None,
@@ -584,6 +614,9 @@ class RouterService:
 
         async def health(_):
             ok = self.ready.is_set()
+            why = self.unavailable()
+            if why:  # the frontend answers completions with this reason meanwhile
+                return web.json_response({"status": NO_SERVING_RANK, "epoch": self.epoch, "reason": why}, status=503)
             return web.json_response(
                 {"status": "ready" if ok else "starting", "epoch": self.epoch}, status=200 if ok else 503
             )
@@ -612,7 +645,11 @@ class RouterService:
                 return err
             if request.query.get("wait", "") in ("1", "true"):
                 rec = await self.scaler.wait_idle()
-                return web.Response(body=msgspec.json.encode(rec), content_type="application/json")
+                # An operation that aborted or rolled back did not do what was asked: not a 2xx.
+                ok = rec is None or rec.phase == "done"
+                return web.Response(
+                    body=msgspec.json.encode(rec), content_type="application/json", status=200 if ok else 500
+                )
             return web.json_response({"accepted": True, "dp_size": req.dp_size, "mode": req.mode.value}, status=202)
 
         async def scale_elastic_ep(request):

@@ -39,6 +39,12 @@ class Scaler:
         self.journal = journal
         self.pending: ScaleRequest | None = None
         self.failing: set[int] = set()  # serving ranks found dead, not yet failed over
+        # Every serving rank failed: the size to rebuild the deployment at, until a rebuild is done.
+        self.lost_size: int | None = None
+        # The size the deployment is to have: where the last scale that was done took it (or, before
+        # any, the size it had when the scaler first acted). A rebuild brings it back to that.
+        self.wanted: int | None = None
+        self.backoff_s = 0.0  # the pause before the next failover or rebuild, after one failed
         self.current: Operation | None = None
         self.history, self.tally = journal.load() if journal else ([], Tally())
         numbers = [int(m.group(1)) for r in self.history if (m := re.match(r"op-(\d+)-", r.id))]
@@ -50,7 +56,12 @@ class Scaler:
 
     @property
     def busy(self) -> bool:
-        return self.current is not None or self.pending is not None or bool(self.failing)
+        return self.current is not None or self.pending is not None or bool(self.failing) or self.lost
+
+    @property
+    def lost(self) -> bool:
+        """Every serving rank failed, and the deployment is not back yet."""
+        return self.lost_size is not None
 
     def request(self, req: ScaleRequest) -> None:
         self.pending = req  # the latest target wins over one still queued
@@ -96,11 +107,22 @@ class Scaler:
             self._idle.set()
 
     async def _work(self) -> None:
-        while self.failing or self.pending is not None:
+        while self.failing or self.pending is not None or self.lost:
+            if self.backoff_s and (self.failing or self.lost):
+                await asyncio.sleep(self.backoff_s)  # the last failover or rebuild failed (logged)
             start = self.owner.committed
+            if self.wanted is None:
+                self.wanted = len(start.active)
             self.failing &= set(start.active)  # a rank that no longer serves needs no failover
             failed = sorted(self.failing)
-            if failed:
+            if self.lost or not set(start.active) - self.failing:
+                # Nothing to fail over to: rebuilt at the size it had, or one asked for since.
+                size = self.pending.dp_size if self.pending else self.lost_size or self.wanted
+                if not self.lost:
+                    log.error("every serving rank failed (%s): rebuilding the deployment at %d ranks", failed, size)
+                self.lost_size, self.pending = size, None
+                req = ScaleRequest(dp_size=size)
+            elif failed:
                 req = ScaleRequest(dp_size=len(start.active) - len(failed))
             elif self.pending is not None:
                 req, self.pending = self.pending, None
@@ -121,6 +143,8 @@ class Scaler:
                 on_change=self._journal,
             )
             self.current = op
+            if op.record.kind == "rebuild":  # it fences them now, and its new ranks may take their numbers
+                self.failing -= set(failed)
             self.history.append(op.record)
             del self.history[:-HISTORY]
             self._journal(op.record)
@@ -128,6 +152,14 @@ class Scaler:
             self.current = None
             self.tally.count(op.record)
             self.owner.operation_ended(op.record, result)
+            self._count_failure(op)
+            if op.record.phase == "done" and op.record.kind in ("up", "down", "rebuild"):
+                self.wanted = op.record.to_size
+            if op.record.kind == "rebuild":
+                if op.record.phase == "done":
+                    log.info("[op %s] the deployment serves again at %d ranks", op.id, len(result.active))
+                    self.lost_size = None
+                continue
             masked = set(op.record.masked)  # by a failover, a rollback, or a scale-up's own failover
             # Found dead by their provider before the router looked: failed over all the same.
             self.failing |= set(op.gave_way_to) - masked
@@ -138,13 +170,25 @@ class Scaler:
                 log.info("[op %s] its target dp_size %d is requested again", op.id, req.dp_size)
                 self.pending = msgspec.structs.replace(req, fault="")
             if not masked.issuperset(failed):
-                # A survivor failed too (it is found and joins `failing`): try again shortly.
-                await asyncio.sleep(self.cfg.status_interval_s)
+                # A survivor failed too (it is found and joins `failing`): tried again, backing off.
                 continue
             self.failing -= masked
             if masked and self.pending is None:
                 # The capacity provider replaces what failed: back to the size before.
                 self.pending = ScaleRequest(dp_size=len(start.active))
+
+    def _count_failure(self, op: Operation) -> None:
+        """A failover or rebuild that failed doubles the pause before the next one (from
+        status_interval_s up to Router.retry_backoff_max_s); one that is done resets it. One that
+        gave way to a rank failing meanwhile did not fail: the next one, at once, has it too."""
+        if op.record.kind not in ("failover", "rebuild") or op.preempted:
+            return
+        if op.record.phase == "done":
+            self.backoff_s = 0.0
+            return
+        cap = self.cfg.retry_backoff_max_s
+        self.backoff_s = min(cap, max(self.cfg.status_interval_s, 2 * self.backoff_s))
+        log.warning("[op %s] %s %s: the next attempt in %.1f s", op.id, op.record.kind, op.record.phase, self.backoff_s)
 
 
 class TopologyOwner(Protocol):

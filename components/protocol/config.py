@@ -69,6 +69,12 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     rank_timeout_s: float = 3.0
     prepare_timeout_s: float = 120.0  # a joiner that takes longer to start, load or warm up aborts the op
     commit_timeout_s: float = 10.0  # a rank that misses it rolls the commit back
+    # A scale-up whose joiner dies before the commit starts a new one for that rank, up to this
+    # many times, before it aborts (each retry in the operation's record, `joiner_retries`).
+    joiner_retries: int = 2
+    # A failover or rebuild that fails is tried again after a pause that doubles each time, from
+    # status_interval_s up to this: a deployment that cannot come back does not spin.
+    retry_backoff_max_s: float = 30.0
     drain_timeout_s: float = 30.0  # leaving ranks' requests still running after this are handed over
     rebalance: bool = True  # async EPLB after each scale operation
     park_leaving: bool = True  # keep leaving ranks' processes parked for the next scale-up
@@ -95,6 +101,12 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     # reloads; "" keeps it in the graph's run directory (`dynamo serve`'s, gone when it stops).
     state_dir: str = ""
 
+    @property
+    def health_url(self) -> str:
+        """Its /health, as a client on this host reaches it (a wildcard address on loopback)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/health"
+
     def __post_init__(self) -> None:
         if not self.liveness_timeout_s > 0:
             raise ValueError("liveness_timeout_s must be > 0")
@@ -102,6 +114,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("startup_timeout_s must be > 0")
         if self.standby_copies < 0:
             raise ValueError("standby_copies must be >= 0")
+        if self.joiner_retries < 0:
+            raise ValueError("joiner_retries must be >= 0")
+        if not self.retry_backoff_max_s > 0:
+            raise ValueError("retry_backoff_max_s must be > 0")
         # What a bearer token may be (RFC 6750 b64token): anything else could not be sent as is.
         if self.token and not re.fullmatch(r"[A-Za-z0-9\-._~+/]+=*", self.token):
             raise ValueError("token must be printable ASCII: letters, digits and -._~+/ (then = padding)")

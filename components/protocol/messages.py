@@ -62,6 +62,14 @@ class LoadExperts(Command, tag="load_experts"):
     since: Placement | None = None  # load only the slots whose expert differs from this placement
 
 
+class LoadWeights(Command, tag="load_weights"):
+    """Load every weight from the checkpoint: the dense ones and this rank's slots as `placement`
+    says. For the ranks of a deployment rebuilt from scratch (every serving rank failed: no peer
+    holds weights to pull), whether cold-started, restored from a snapshot or parked."""
+
+    placement: Placement
+
+
 class ExportWeights(Command, tag="export_weights"):
     """Reply with a manifest (addresses + checksums) of these weights; all when `names` is None."""
 
@@ -129,6 +137,7 @@ ControlRequest = (
     | Resume
     | SetRoutable
     | LoadExperts
+    | LoadWeights
     | ExportWeights
     | EndExport
     | PullWeights

@@ -66,11 +66,21 @@ class PullLoss(msgspec.Struct):
     repulled_from: dict[int, list[str]] = {}  # rank -> those of `items` read from it; {} when the operation gave way
 
 
+class JoinerRetry(msgspec.Struct):
+    """A joiner that died before the commit, and the new one its scale-up started instead."""
+
+    rank: int
+    phase: str  # the phase it died in
+    error: str
+    attempt: int  # the attempt this one starts (2 for the first retry)
+
+
 class OpRecord(msgspec.Struct):
     """What /topology shows about an operation."""
 
     id: str
-    kind: str  # "up" | "down"
+    # "up" | "down" | "failover" | "rebuild" (every serving rank failed: a new group from scratch)
+    kind: str
     mode: ScaleMode
     from_size: int
     to_size: int
@@ -97,6 +107,7 @@ class OpRecord(msgspec.Struct):
     failover_downtime_s: float | None = None
     failover_committed_at: float | None = None
     pull_losses: list[PullLoss] = []  # sources lost mid-pull: what they were to send, and from whom it came
+    joiner_retries: list[JoinerRetry] = []  # joiners that died before the commit and were started anew
 
 
 class RankView(RankSummary, kw_only=True):

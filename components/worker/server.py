@@ -33,6 +33,7 @@ from components.protocol.messages import (
     Exit,
     ExportWeights,
     LoadExperts,
+    LoadWeights,
     Park,
     Pause,
     PullWeights,
@@ -377,6 +378,22 @@ class RankServer:
         leaving one too, when a scale-down rolls back without a rank that died in its commit."""
         await self.on_loop(lambda: self.engine.load_experts(msg.placement, msg.since))
         self.note(msg.op, "experts loaded from the checkpoint" + (" where the map changed" if msg.since else ""))
+
+    @handles(
+        LoadWeights,
+        {RankState.BOOTING, RankState.RESTORED},
+        {RankState.BOOTING: RankState.LOADED, RankState.RESTORED: RankState.LOADED},
+    )
+    async def on_load_weights(self, msg: LoadWeights) -> None:
+        """A rank of a deployment rebuilt from scratch: no peer holds weights to pull from."""
+        e = self.engine
+
+        def load() -> None:
+            e.model.load_dense(e.ckpt)
+            e.load_experts(msg.placement)
+
+        await self.on_loop(load)
+        self.advance(msg, RankState.LOADED, f"weights loaded from the checkpoint {self.model_dir}")
 
     # Exporting changes nothing on this rank: allowed in any state.
     @handles(ExportWeights, ANY_STATE)
