@@ -65,7 +65,7 @@ from pathlib import Path
 
 import httpx
 
-from harness.server import Server, Traffic, engine_reference, scale
+from harness.server import Server, Traffic, engine_reference, failure_reasons, scale
 from harness.tamper import flip_byte, largest
 
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
@@ -449,13 +449,26 @@ def run_row(fault: str, args, reference: list[str]) -> dict:
             "wrong_tokens": wrong,
             "next_scale": next_scale,
             **{k: v for k, v in measured.items() if k not in ROW_KEYS},
-            "errors": traffic.errors[:5],
+            "failure_reasons": failure_reasons(traffic.errors),
         }
     finally:
         srv.stop()
 
 
 ROW_KEYS = ("detected_s", "recovered_s", "failover_downtime_ms", "replaced_s")
+
+
+def row_names(text: str) -> tuple[list[str], list[str]]:
+    """The rows a comma-separated list names (a row's own name may hold a comma), and what names none."""
+    rows, unknown, part = [], [], ""
+    for piece in text.split(","):
+        part = f"{part},{piece}" if part else piece
+        if part.strip() in FAULTS:
+            rows.append(part.strip())
+            part = ""
+    if part.strip():
+        unknown.append(part.strip())
+    return rows, unknown
 
 
 def main() -> None:
@@ -468,8 +481,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench/results/faults.json"), help="JSON output path")
     p.add_argument("graph_args", nargs="*", help="extra `dynamo serve` options after --")
     args = p.parse_args()
-    faults = [f.strip() for f in args.faults.split(",")]
-    unknown = [f for f in faults if f not in FAULTS]
+    faults, unknown = row_names(args.faults)
     if unknown:
         p.error(f"unknown fault row(s) {unknown}; rows: {', '.join(FAULTS)}")
     device = "cuda" if "--Worker.device=cuda" in args.graph_args else "cpu"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -299,6 +301,13 @@ class Traffic:
         self.stop.set()
         for t in self.threads:
             t.join(timeout=120)
+
+
+def failure_reasons(errors: list[tuple[int, str]]) -> dict[str, int]:
+    """How many failed requests got each reason (Traffic.errors), the operation's id and phase
+    left out of the router's reason so that one outage counts as one reason."""
+    counts = Counter(re.sub(r" \(operation [^)]*\)", "", why)[:200] for _, why in errors)
+    return dict(counts.most_common())
 
 
 def scale(srv: Server, n: int, **extra) -> dict:

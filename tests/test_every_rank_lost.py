@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness.server import Server, Traffic, engine_reference, scale
+from harness.server import Server, Traffic, engine_reference, failure_reasons, scale
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
@@ -79,10 +79,9 @@ def test_every_serving_rank_killed_is_rebuilt_at_its_size(reference):
         assert not any(t.is_alive() for t in clients.threads)  # no request hung
         wrong = [(p, text) for p, text, _, _ in clients.results if text != reference[p]]
         assert wrong == []
-        reasons = sorted({why.split(":")[0] + ": " + why.split(":", 2)[-1][:120] for _, why in clients.errors})
         print(
-            f"\nserving again at 2 ranks {back_s:.1f} s after the first kill; "
-            f"{len(clients.results)} completed, {len(clients.errors)} failed: {reasons}"
+            f"\nserving again at 2 ranks {back_s:.1f} s after the first kill; {len(clients.results)} completed, "
+            f"{len(clients.errors)} failed: {failure_reasons(clients.errors)}"
         )
         for _, why in clients.errors:  # a clear reason each, never a 404
             assert "HTTP 404" not in why, why
