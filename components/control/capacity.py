@@ -82,12 +82,13 @@ class CapacityProvider(Protocol):
         time), or at once to abort."""
 
     async def fence(self, rank: int, pid: int, op: str) -> None:
-        """A serving rank was found dead or stalled: make sure it can never act again (a stalled
-        process that resumed would serve a topology that no longer exists), whoever started it."""
+        """A rank was found dead or stalled (serving, or parked): make sure it can never act again
+        (a stalled process that resumed would serve a topology that no longer exists), whoever
+        started it, and forget it."""
 
     def prune(self) -> None:
         """Drop spare capacity whose process died (standby copies), so that no scale-up takes it;
-        called with every status round. Parked ranks the router drops itself (`release`)."""
+        called with every status round. Dead parked ranks the router drops itself (`fence`)."""
 
     def settled(self, op: str) -> None:
         """Operation `op` ended (done, rolled back or aborted): work held back so that it would
@@ -189,7 +190,7 @@ class LocalProvider:
             pid = self.parked.get(rank, (0, False))[0]
             if rank in self.parked and _gone(pid):  # died before the router saw it
                 log.warning("[op %s] Worker.%d: its parked process (pid %d) is gone; a new one instead", op, rank, pid)
-                await self.release(rank, op, graceful=False)
+                await self.fence(rank, pid, op)
             if rank in self.parked and not fault:
                 if await self._unpark(rank, op):
                     how[rank] = "parked"

@@ -419,7 +419,7 @@ class RouterService:
             if st.state is RankState.PARKED and r not in taken and provider.alive(r) is False:
                 log.warning("rank %d (parked, pid %d) died: dropped from the topology", r, st.pid)
                 self.forget(r)
-                await provider.release(r, "-", graceful=False)
+                await provider.fence(r, st.pid, "-")  # its process is gone: only the provider's state goes
 
     def unavailable(self) -> str | None:
         """Why no rank serves, or None while one does (or the first group is still forming)."""
