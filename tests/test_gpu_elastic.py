@@ -94,3 +94,59 @@ def test_scale_cycle_with_parked_ranks_checkpointed(transport, small, large):
     assert len(traffic.results) > 20
     for p, text, _, _ in traffic.results:
         assert text == reference[p], f"prompt {p}"
+
+
+def test_every_serving_rank_killed_is_rebuilt_from_parked_ranks_on_the_gpu():
+    """Ranks 2 and 3 park (CUDA state checkpointed) after 2 -> 4 -> 2; then ranks 0 and 1 are
+    SIGKILLed. The rebuild takes the parked ranks back (CUDA restore, weights loaded from the
+    checkpoint into their remapped arenas, graphs replayed, not recaptured), they serve the
+    reference, and a scale-up then pulls from them."""
+    import os
+    import signal
+
+    from snapshot import cuda_checkpoint
+
+    ok, why = cuda_checkpoint.available()
+    if not ok:
+        pytest.skip(why)
+    reference = dict(enumerate(engine_reference(PROMPTS, MAX_TOKENS, device="cuda")))
+    srv = Server(
+        [
+            "--Worker.device=cuda",
+            "--Worker.vmm=true",
+            "--Worker.max_ranks=4",
+            "--Worker.dp_size=2",
+            "--Worker.max_seqs=8",
+            "--Router.checkpoint_parked=true",
+            "--Planner.enabled=false",
+        ],
+        boot_timeout_s=600,
+    )
+    try:
+        assert scale(srv, 4)["phase"] == "done"
+        assert scale(srv, 2)["parked"] == [2, 3]
+        before = ranks(srv)
+        os.kill(before[0]["pid"], signal.SIGKILL)
+        os.kill(before[1]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while True:
+            ops = srv.control("GET", "/operations").json()
+            rebuild = next((op for op in ops if op["kind"] == "rebuild" and op["total_s"] is not None), None)
+            if rebuild and not srv.topology()["scaling"]:
+                break
+            assert time.monotonic() < deadline, srv.tail(200)
+            time.sleep(0.5)
+        assert rebuild["phase"] == "done" and rebuild["joined_from"] == {"2": "parked", "3": "parked"}, rebuild
+        after = ranks(srv)
+        assert srv.topology()["active"] == [2, 3]
+        for r in (2, 3):
+            assert after[r]["pid"] == before[r]["pid"]
+            assert after[r]["graph_captures"] == before[r]["graph_captures"] > 0
+        for p in range(len(PROMPTS)):
+            assert srv.stream_text(PROMPTS[p], MAX_TOKENS) == reference[p], f"prompt {p}"
+        up = scale(srv, 3)
+        assert up["phase"] == "done" and up["pull_bytes"] > 0, up
+        for p in range(len(PROMPTS)):
+            assert srv.stream_text(PROMPTS[p], MAX_TOKENS) == reference[p], f"prompt {p} at 3 ranks"
+    finally:
+        srv.stop()
