@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from components.planner.service import Bounds
+from components.planner.virtual import DecisionRecord, Phase, advance, unmet
 from harness.etcd import kv, running_etcd
 from harness.server import Server, engine_reference, free_ports
 
@@ -144,3 +146,18 @@ def test_dynamo_planner_grows_and_shrinks_the_graph(etcd, monkeypatch):
         assert "acknowledged" not in "".join(ln for ln in log.splitlines() if "[decision 4]" in ln)
     finally:
         assert srv.stop() == 0
+
+
+def test_what_a_decision_must_ask_for_to_be_met():
+    b = Bounds(min_dp=1, max_dp=3, up=4.0, down=1.0)
+    assert unmet(b, -1, 2) == "" and unmet(b, 0, 3) == ""
+    assert "asks for 1 prefill workers, and this deployment is aggregated" in unmet(b, 1, 2)
+    assert unmet(b, -1, -1) == "it sets no decode worker count"
+    assert "0 decode workers is outside the planner's bounds 1..3" in unmet(b, -1, 0)
+    rec = DecisionRecord(decision_id=7, num_prefill_workers=-1, num_decode_workers=2, received=0.0)
+    advance(rec, Phase.APPLYING, "router: accepted")
+    with pytest.raises(RuntimeError, match="decision 7: no transition applying -> received"):
+        advance(rec, Phase.RECEIVED, "")
+    advance(rec, Phase.COMPLETED, "done")
+    with pytest.raises(RuntimeError, match="no transition completed -> failed"):
+        advance(rec, Phase.FAILED, "")

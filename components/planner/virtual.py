@@ -182,8 +182,10 @@ class VirtualConnectorService:
         if topo.scaling or topo.target is not None:
             return
         op = topo.operation
-        rec.op = op.id if op else ""
-        by = f" [op {op.id}]" if op else ""
+        # The operation that met it committed after it arrived; else it was met already (409).
+        ours = op is not None and (op.committed_at or 0.0) >= rec.received
+        rec.op = op.id if ours else ""
+        by = f" [op {op.id}]" if ours else " (already that size: no operation)"
         if topo.dp_size != target:
             what = f"{op.id} ended {op.phase}{f': {op.error}' if op.error else ''}" if op else "none ran"
             self._end(
