@@ -2,8 +2,9 @@
 discovery, a real etcd, and the runtime's own `VirtualConnectorCoordinator` (what Dynamo's planner
 publishes its decisions through) growing and shrinking it. Each decision is acknowledged only
 after its commit, with the registered generate instances (what Dynamo's planner counts) at the
-new size and parked ranks not among them; one that cannot be met is failed, not acknowledged; a
-decision that arrives while another is being met wins."""
+new size and parked ranks not among them; one that cannot be met, or that someone else's scale
+request overtakes, is failed, not acknowledged; a decision that arrives while another is being
+met wins."""
 
 from __future__ import annotations
 
@@ -132,6 +133,25 @@ def test_dynamo_planner_grows_and_shrinks_the_graph(etcd, monkeypatch):
             assert kv(etcd)[f"v1/{NAMESPACE}/planner/scaled_decision_id"] == str(latest)
             ds = decisions(port)
             assert ds[first]["phase"] == "superseded" and ds[latest]["phase"] == "completed", ds
+
+            # Someone else's POST /scale wins over a decision being met: the router settles at
+            # their size, and the decision is failed, not acknowledged.
+            await coord.update_scaling_decision(None, 3)
+            lost = coord.read_state().decision_id
+            deadline = time.monotonic() + 30
+            while not srv.topology()["scaling"]:
+                assert time.monotonic() < deadline, srv.tail(30)
+                await asyncio.sleep(0.02)
+            r = srv.control("POST", "/scale", json={"dp_size": 2})
+            assert r.status_code == 202, r.text
+            deadline = time.monotonic() + ACK_TIMEOUT_S
+            while decisions(port)[lost]["phase"] != "failed":
+                assert time.monotonic() < deadline, (decisions(port), srv.tail(30))
+                await asyncio.sleep(0.1)
+            assert "the router settled at dp_size 2, not 3" in decisions(port)[lost]["reason"]
+            assert not await coord.is_scaling_ready()
+            assert kv(etcd)[f"v1/{NAMESPACE}/planner/scaled_decision_id"] == str(latest)
+            assert srv.topology()["dp_size"] == 2
         finally:
             rt.shutdown()
         return seen
