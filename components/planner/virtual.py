@@ -138,12 +138,9 @@ class VirtualConnectorService:
             num_decode_workers=decision.num_decode_workers,
             received=time.time(),
         )
-        log.info(
-            "[decision %d] received: %d decode workers%s",
-            rec.decision_id,
-            rec.num_decode_workers,
-            f", {rec.num_prefill_workers} prefill" if rec.num_prefill_workers >= 0 else "",
-        )
+        asked = (("decode", rec.num_decode_workers), ("prefill", rec.num_prefill_workers))
+        counts = [f"{n} {kind} workers" for kind, n in asked if n >= 0]
+        log.info("[decision %d] received: %s", rec.decision_id, ", ".join(counts) or "no worker count")
         if self.current is not None and self.current.phase in OPEN:
             self._end(self.current, Phase.SUPERSEDED, f"decision {rec.decision_id} arrived before it was met")
         self.current = rec
@@ -184,9 +181,9 @@ class VirtualConnectorService:
         op = topo.operation
         # The operation that met it committed after it arrived; else it was met already (409).
         ours = op is not None and (op.committed_at or 0.0) >= rec.received
-        rec.op = op.id if ours else ""
         by = f" [op {op.id}]" if ours else " (already that size: no operation)"
         if topo.dp_size != target:
+            rec.op = op.id if op else ""
             what = f"{op.id} ended {op.phase}{f': {op.error}' if op.error else ''}" if op else "none ran"
             self._end(
                 rec,
@@ -194,6 +191,7 @@ class VirtualConnectorService:
                 f"the router settled at dp_size {topo.dp_size}, not {target} (last operation {what}); not acknowledged",
             )
             return
+        rec.op = op.id if ours else ""
         await self.client.complete(decision)
         self._end(rec, Phase.COMPLETED, f"dp_size {target} committed at epoch {topo.epoch}{by}; acknowledged")
 
