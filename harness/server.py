@@ -111,11 +111,13 @@ class Server:
         model: str | None = MODEL,
         wait: bool = True,
         env: dict[str, str] | None = None,
+        ports: tuple[int, int] | None = None,
     ):
         """`model`: the served model name to wait for and query; None takes the first served one.
-        `wait`: return once it serves (else call `wait_ready`). `env`: set for every component."""
+        `wait`: return once it serves (else call `wait_ready`). `env`: set for every component.
+        `ports`: (OpenAI, router) ports, free ones by default (a restart reuses its predecessor's)."""
         self.model = model
-        self.http_port, self.router_port = free_ports(2)
+        self.http_port, self.router_port = ports or free_ports(2)
         self.tmp = Path(tempfile.mkdtemp(prefix="elastic-test-"))
         self.discovery_dir = self.tmp / "discovery"
         self.env_marker = f"DYN_FILE_KV={self.discovery_dir}"
