@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of both layouts and the `transformers` reference they are judged by."""
+"""Tiny random checkpoints of every family and the `transformers` reference they are judged by."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [100, 17, 3, 4, 5, 6, 7, 8, 9, 10, 11], [
 
 
 def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0) -> Path:
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    import transformers as tf
 
     torch.manual_seed(seed)
     common = dict(
@@ -24,19 +24,21 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0) -
         max_position_embeddings=512,
     )
     if arch == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=8, **common))
-    else:
-        # A shared expert and a dense layer, so every Qwen2-MoE code path runs.
-        model = Qwen2MoeForCausalLM(
-            Qwen2MoeConfig(
-                intermediate_size=48,
-                moe_intermediate_size=24,
-                shared_expert_intermediate_size=40,
-                num_experts=8,
-                mlp_only_layers=[1],
-                **common,
-            )
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=48, num_local_experts=8, **common))
+    elif arch in ("qwen2_moe", "qwen3_moe"):
+        qwen = dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8, mlp_only_layers=[1], **common)
+        # Qwen2-MoE: a shared expert and a dense layer, so every code path runs. Qwen3-MoE: a dense
+        # layer, renormalised top-k weights, and heads wider than hidden_size / heads.
+        model = (
+            tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(shared_expert_intermediate_size=40, **qwen))
+            if arch == "qwen2_moe"
+            else tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(norm_topk_prob=True, head_dim=16, **qwen))
         )
+    elif arch == "olmoe":
+        # clip_qkv low enough to clamp some of the normed q and k entries.
+        model = tf.OlmoeForCausalLM(tf.OlmoeConfig(intermediate_size=24, num_experts=8, clip_qkv=1.5, **common))
+    else:
+        raise ValueError(f"no tiny checkpoint for {arch!r}")
     model.to(dtype).save_pretrained(path)
     return path
 
@@ -48,8 +50,11 @@ def reference(path: Path, prompts, max_new_tokens: int):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokens, logits = [], []
     for p in prompts:
+        ids = torch.tensor([p])
         out = model.generate(
-            torch.tensor([p]),
+            ids,
+            # Given, not inferred: generate masks a prompt's pad_token_id (OLMoE's is 1) otherwise.
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,
