@@ -51,6 +51,11 @@ class ModelConfig(msgspec.Struct, frozen=True):
     dtype: str
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after their projections (OLMoE)
 
+    @property
+    def num_moe_layers(self) -> int:
+        """The rows of the expert map and of a placement: one per sparse layer, in layer order."""
+        return sum(self.sparse_layers)
+
     def identity(self) -> str:
         # msgspec encodes struct fields in declaration order, so the hash is stable.
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()
