@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -10,12 +12,15 @@ import torch
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [100, 17, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7, 7, 90, 91]]
 
 
-def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0) -> Path:
+def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0, tokenizer: bool = False) -> Path:
+    """`tokenizer`: with the built-in model's tokenizer files and vocabulary, so a graph can serve it."""
     import transformers as tf
+
+    from components.engine.models.builtin import builtin_model_dir
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=128,
+        vocab_size=json.loads((builtin_model_dir() / "config.json").read_text())["vocab_size"] if tokenizer else 128,
         hidden_size=32,
         num_hidden_layers=3,
         num_attention_heads=4,
@@ -40,6 +45,9 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0) -
     else:
         raise ValueError(f"no tiny checkpoint for {arch!r}")
     model.to(dtype).save_pretrained(path)
+    if tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(builtin_model_dir() / name, path / name)
     return path
 
 
