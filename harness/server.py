@@ -304,3 +304,24 @@ def scale(srv: Server, n: int, **extra) -> dict:
     r = srv.control("POST", "/scale?wait=true", json={"dp_size": n, **extra}, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def scale_under_traffic(srv: Server, sizes, traffic: Traffic, reference) -> tuple[list[dict], list[float]]:
+    """Scale `srv` through `sizes` while `traffic` streams (a second before each and after the
+    last): each operation ends done with the active set it asked for, no stream fails, and every
+    completion is `reference`'s. Returns the records and every rank's KV use seen after each."""
+    ops, kv_usage = [], []
+    with traffic:
+        for n in sizes:
+            time.sleep(1.0)
+            op = scale(srv, n)
+            assert op["phase"] == "done", op
+            topo = srv.topology()
+            assert topo["dp_size"] == n and topo["active"] == list(range(n))
+            kv_usage += [r["kv_usage"] for r in topo["ranks"]]
+            ops.append(op)
+        time.sleep(1.0)
+    assert traffic.errors == []
+    for p, toks, _, _ in traffic.results:
+        assert toks == reference[p], f"prompt {p}"
+    return ops, kv_usage
