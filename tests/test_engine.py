@@ -399,6 +399,30 @@ def test_a_seeded_completion_does_not_depend_on_its_batch(tmp_path, device):
         eng.stop()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_temperature_below_the_floor_samples_at_it(tmp_path, device):
+    """temperature 1e-45 (a float32 denormal) overflowed logits / T and drew the same token every
+    step (here 1, the eos: a completion of one token, finish_reason stop); below MIN_TEMPERATURE
+    a request samples at it, as in vLLM, alone or beside another request.
+    On CUDA the decode rows draw in the sampling graphs."""
+    from components.engine.sampler import MIN_TEMPERATURE
+
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), device)
+    eng.start()
+    try:
+        kw = {"ignore_eos": True, "seed": 3}
+        (floor,), _ = generate(eng, [PROMPTS[1]], MAX_NEW, temperature=MIN_TEMPERATURE, **kw)
+        for t in (1e-45, 1e-38, 1e-6):
+            (tiny,), _ = generate(eng, [PROMPTS[1]], MAX_NEW, temperature=t, **kw)
+            assert tiny == floor, t
+        batched, _ = generate(eng, [PROMPTS[1], PROMPTS[0]], MAX_NEW, temperature=1e-45, **kw)
+        assert batched[0] == floor and len(set(floor)) > 1
+        if device == "cuda":
+            assert eng.graphs.samplers
+    finally:
+        eng.stop()
+
+
 @pytest.mark.gpu
 def test_the_sampling_graph_draws_what_the_eager_sampler_draws(tmp_path):
     """Over the same logits and parameters, with padding rows behind the real ones: the same ids."""
