@@ -328,7 +328,10 @@ def test_bad_requests_are_refused_with_the_reason(tmp_path):
     cases = [
         (GenerateRequest("a", [], 4), "the prompt is empty"),
         (GenerateRequest("b", [1, 2], 300), "context is 256 tokens; the prompt has 2 and max_tokens is 300"),
-        (GenerateRequest("c", [1, 999], 4), "token ids [999] are outside the vocabulary (size 128)"),
+        (
+            GenerateRequest("c", [1, 999], 4),
+            "prompt token id 999 at index 1 is outside the vocabulary: valid ids are 0 to 127",
+        ),
         (GenerateRequest("d", [1], 0), "max_tokens must be at least 1"),
         (GenerateRequest("e", [1], 4, temperature=1.0, top_p=0.0), "top_p in (0, 1]"),
         (GenerateRequest("g", [1], 4, temperature=1.0, top_k=-1), "top_k must be >= 0 (0: no top-k cut); got -1"),
