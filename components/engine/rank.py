@@ -37,6 +37,7 @@ from components.engine.request import GenerateRequest, RequestError, TokenOutput
 from components.engine.sampler import SampleParams, sample
 from components.engine.scheduler import Scheduler, Sequence
 from components.protocol.placement import Placement, balanced_placement, slots_needed
+from components.protocol.prompt import out_of_vocabulary
 from components.protocol.transfer import expert_slot_name
 
 log = logging.getLogger(__name__)
@@ -401,9 +402,9 @@ class EngineRank:
                 f"this model's context is {L} tokens; the prompt has {n} and max_tokens is "
                 f"{req.max_tokens} ({n + req.max_tokens} in all)"
             )
-        bad = [t for t in req.prompt if not 0 <= t < V]
+        bad = out_of_vocabulary(req.prompt, V)
         if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (size {V})")
+            raise RequestError(f"prompt {bad}")
         if not 0 <= req.replay < n:
             raise RequestError(f"replay must leave at least one prompt token: 0 <= replay < {n}, got {req.replay}")
         if req.temperature < 0 or not 0 < req.top_p <= 1:
