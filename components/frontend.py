@@ -82,6 +82,9 @@ PREAMBLE_EVENTS = {"response.created", "response.in_progress"}
 MAX_PREAMBLE_BYTES = 1 << 20
 
 
+READ_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
 def dropped_parameter(req: dict, dropped=DROPPED) -> str | None:
     """Why a request sets a parameter the engine would never see (`dropped`: an endpoint's table),
     or None."""
@@ -288,6 +291,10 @@ async def guard(cfg: FrontendConfig, upstream: str, vocabularies: Callable[[], d
             resp = refuse(408, why + " (Frontend.body_timeout_s)")
             resp.force_close()  # the rest of the body may still come: this connection is done
             return resp
+        if request.method not in READ_METHODS and not request.path.startswith("/v1/"):
+            # Dynamo's own admin routes (POST /busy_threshold sets the load-shedding thresholds)
+            # share its port; the public one serves the OpenAI API and read-only probes only.
+            return refuse(404, f"{request.method} {request.path} is not served on the OpenAI port")
         if request.method == "POST":
             why = body_refusal(request.path, body)
             if why is not None:

@@ -506,3 +506,15 @@ def test_a_body_shorter_than_its_content_length_gets_a_408(server, greedy) -> No
         "code": 408,
     }
     still_serving(server, greedy)
+
+
+def test_dynamos_admin_routes_are_not_served_on_the_openai_port(server, greedy) -> None:
+    """POST /busy_threshold (Dynamo's load-shedding thresholds) went through the guard to any
+    client; writes outside /v1/ are refused, reads (health, metrics, models) still answer."""
+    for path in ("/busy_threshold", "/clear_kv_blocks", "/anything"):
+        refused(
+            server.http.post(path, json={"model": server.model, "active_decode_blocks_threshold": 0.1}), 404, "POST"
+        )
+    assert server.http.get("/health").status_code == 200
+    assert server.http.get("/v1/models").status_code == 200
+    still_serving(server, greedy)
