@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: serve test lint install bench clean
+.PHONY: serve test lint install bench bench-tools clean
 
 $(BIN)/.installed: pyproject.toml tools/debian-fetch.sh tools/criu-fetch.sh
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,14 @@ lint: install
 
 bench: install
 	$(BIN)/python -m bench.decode $(ARGS)
+
+# aiperf (and matplotlib) for bench.slo, in their own venv: aiperf's pins conflict with the project's.
+$(VENV)/aiperf/bin/aiperf: bench/requirements-aiperf.txt | $(BIN)/.installed
+	$(PY) -m venv $(VENV)/aiperf
+	$(VENV)/aiperf/bin/pip install -q -r bench/requirements-aiperf.txt
+	touch $@
+
+bench-tools: $(VENV)/aiperf/bin/aiperf
 
 clean:
 	rm -rf $(VENV)

@@ -4,18 +4,26 @@ It discovers workers that called `register_model` in the graph's namespace and r
 their routable instances; the elastic router changes what is routable, not this process.
 
 Dynamo's service listens on a loopback port of its own; the configured address is a thin guard in
-front of it that refuses OpenAI parameters Dynamo accepts but drops in preprocessing (`DROPPED`),
-and passes everything else through as it is, streams chunk by chunk.
+front of it that refuses what Dynamo would answer wrongly: OpenAI parameters it accepts but drops
+in preprocessing (`GUARDED`, per endpoint), bodies it repairs (invalid UTF-8, raw control
+characters) or cannot parse without a 500 (JSON nested too deeply), a body that never arrives in
+full. It names the token id Dynamo refuses with a bare "Invalid request", gives a stream the
+worker refuses its 4xx before any of it, and passes everything else through as it is, streams
+chunk by chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
+from http import HTTPStatus
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
@@ -23,6 +31,7 @@ import msgspec
 from components.graph.component import Component, component_config, load_context
 from components.protocol.config import FrontendConfig
 from components.protocol.config import RouterConfig as ElasticRouterConfig
+from components.protocol.prompt import out_of_vocabulary
 
 log = logging.getLogger("components.frontend")
 
@@ -43,27 +52,186 @@ DROPPED = (
     ("web_search_options", (None,), "it has no web search"),
     ("store", (None, False), "it stores no completions"),
 )
-GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions")
+# The same for the Responses API, whose conversion drops the sampling penalties too (Dynamo 1.6.1;
+# `text.format` reaches the worker, which refuses it). Accepted: `instructions` (applied),
+# `user`, `metadata`, `safety_identifier`, `prompt_cache_key`, `service_tier` (identifiers),
+# `parallel_tool_calls`; `background`, `previous_response_id`, `prompt` and `max_tool_calls`
+# Dynamo refuses itself (501).
+RESPONSES_DROPPED = (
+    ("tools", (None, []), "it has no tool calling"),
+    ("tool_choice", (None, "none"), "it has no tool calling"),
+    ("reasoning", (None,), "it has no reasoning budget"),
+    ("include", (None, []), "it adds nothing to a response (no logprobs, reasoning or tool output)"),
+    ("top_logprobs", (None, 0), "it returns no log probabilities"),
+    ("truncation", (None, "disabled"), "it does not truncate the input (a longer one is refused)"),
+    ("conversation", (None,), "it keeps no conversations"),
+    ("store", (None, False), "it stores no responses"),
+    ("presence_penalty", (None, 0), "it applies no sampling penalties"),
+    ("frequency_penalty", (None, 0), "it applies no sampling penalties"),
+)
+# Every endpoint Dynamo's service answers with generated text, and what its preprocessing drops
+# there (its other routes need a model of another type, which the workers never register).
+GUARDED = {
+    "/v1/completions": DROPPED,
+    "/v1/chat/completions": DROPPED,
+    "/v1/responses": RESPONSES_DROPPED,
+    "/v1/responses/input_tokens": RESPONSES_DROPPED,
+}
 MAX_BODY_BYTES = 64 << 20
 # Per connection, not forwarded (RFC 9110 7.6.1); the length is the guard's own to set.
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "content-length", "host"}
+# Events of a Responses stream that Dynamo sends before the worker has answered.
+PREAMBLE_EVENTS = {"response.created", "response.in_progress"}
+MAX_PREAMBLE_BYTES = 1 << 20
 
 
-def dropped_parameter(body: bytes) -> str | None:
-    """Why a request body sets a parameter the engine would never see, or None."""
-    try:
-        req = json.loads(body)
-    except ValueError:
-        return None  # Dynamo answers malformed JSON itself
-    if not isinstance(req, dict):
-        return None
-    for name, off, why in DROPPED:
+READ_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def dropped_parameter(req: dict, dropped=DROPPED) -> str | None:
+    """Why a request sets a parameter the engine would never see (`dropped`: an endpoint's table),
+    or None."""
+    for name, off, why in dropped:
         value = req.get(name)
         if value in off:
             continue
         shown = f"{name}={json.dumps(value)}" if isinstance(value, (str, int, float, bool)) else name
         return f"{shown} is not supported by this engine: {why}"
     return None
+
+
+def body_refusal(path: str, body: bytes) -> str | None:
+    """Why a POST body is refused before Dynamo reads it, or None. Dynamo repairs invalid UTF-8
+    and raw control characters in JSON strings (U+FFFD, escapes) and answers the repaired request;
+    both are invalid JSON (RFC 8259 8.1, 7), refused here with where they are. Other malformed JSON
+    Dynamo refuses itself, saying where."""
+    if not body:
+        return None
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"the request body is not valid UTF-8: byte 0x{body[e.start]:02x} at offset {e.start}"
+    try:
+        req = json.loads(text)
+    except RecursionError:
+        return "the request body's JSON is nested too deeply"
+    except json.JSONDecodeError as e:
+        try:
+            json.loads(text, strict=False)
+        except (ValueError, RecursionError):
+            return None
+        return (
+            f"the request body holds a raw control character (0x{ord(text[e.pos]):02x}) in a JSON string at "
+            f"line {e.lineno} column {e.colno}: JSON strings escape it (\\u{ord(text[e.pos]):04x})"
+        )
+    dropped = GUARDED.get(path)
+    if dropped is None or not isinstance(req, dict):
+        return None
+    return dropped_parameter(req, dropped)
+
+
+def token_prompts(body: bytes) -> tuple[str, list[list[int]]]:
+    """(model, prompts) of a completions body whose prompt is token ids (one list or a batch of
+    them); no prompts for anything else."""
+    try:
+        req = json.loads(body)
+    except (ValueError, RecursionError):
+        return "", []
+    if not isinstance(req, dict):
+        return "", []
+
+    def ids(p) -> bool:
+        return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+    p, model = req.get("prompt"), str(req.get("model"))
+    if ids(p):
+        return model, [p]
+    if isinstance(p, list) and p and all(ids(x) for x in p):
+        return model, p
+    return model, []
+
+
+def vocabulary_refusal(prompts: list[list[int]], vocab: int) -> str | None:
+    """The first token id of `prompts` outside the vocabulary, named with its prompt and index."""
+    for i, prompt in enumerate(prompts):
+        why = out_of_vocabulary(prompt, vocab)
+        if why is not None:
+            return f"prompt {why}" if len(prompts) == 1 else f"prompt {i}: {why}"
+    return None
+
+
+def vocabulary_sizes(configs: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """{served model name: the number of token ids a prompt may use} for the graph's workers: ids
+    below both the tokenizer's size (Dynamo's preprocessing refuses the others, saying only
+    "Invalid request") and the model's vocab_size (the rank refuses the others)."""
+    import msgspec
+
+    from components.worker.component import Worker, model_source
+
+    if Worker.__name__ not in configs:
+        return {}
+    model_dir, name = model_source(msgspec.convert(configs[Worker.__name__], Worker.Config))
+    d = Path(model_dir)
+    sizes = [json.loads((d / "config.json").read_text())["vocab_size"]]
+    if (d / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        sizes.append(Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size(with_added_tokens=True))
+    return {name: min(sizes)}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """An error in the shape Dynamo's service answers with."""
+    return {"message": message, "type": HTTPStatus(status).phrase, "code": status}
+
+
+def _event(raw: bytes) -> tuple[str, Any]:
+    """(event name, its data as JSON or None) of one SSE event."""
+    name, data = "", []
+    for line in raw.decode("utf-8", "replace").splitlines():
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+    try:
+        return name, json.loads("\n".join(data)) if data else None
+    except ValueError:
+        return name, None
+
+
+def stream_refusal(name: str, data: Any) -> tuple[int, str] | None:
+    """(status, message) when a stream's first event is the refusal of its request: a chat or
+    completions error event with a 4xx code, or a Responses `response.failed` for an invalid
+    prompt (what Dynamo answers 400 when not streaming)."""
+    if not isinstance(data, dict):
+        return None
+    err = data.get("error")
+    if isinstance(err, dict) and isinstance(err.get("code"), int) and 400 <= err["code"] < 500:
+        return err["code"], str(err.get("message"))
+    resp = data.get("response")
+    if name == "response.failed" and isinstance(resp, dict) and isinstance(resp.get("error"), dict):
+        if resp["error"].get("code") == "invalid_prompt":
+            return 400, str(resp["error"].get("message"))
+    return None
+
+
+async def first_event(content) -> tuple[bytes, tuple[int, str] | None]:
+    """Read an SSE stream up to its first event that is not a preamble (an SSE comment, or a
+    Responses event Dynamo sends before the worker answered); (the bytes read, that event's
+    refusal or None)."""
+    buf = b""
+    while len(buf) < MAX_PREAMBLE_BYTES:
+        chunk = await content.readany()
+        if not chunk:
+            return buf, None
+        buf += chunk
+        events = buf.replace(b"\r\n", b"\n").split(b"\n\n")
+        for raw in events[:-1]:  # the last one is not complete yet
+            name, data = _event(raw)
+            if (data is None and name == "") or name in PREAMBLE_EVENTS:
+                continue
+            return buf, stream_refusal(name, data)
+    return buf, None
 
 
 class Frontend(Component):
@@ -89,11 +257,15 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-async def guard(cfg: FrontendConfig, upstream: str, router_health: str = ""):
-    """The public listener: refuse `DROPPED` parameters with a 400 naming them (in Dynamo's error
-    shape), pass everything else to Dynamo's service at `upstream`. While the router's
-    `router_health` says no rank serves, Dynamo's answer that no instance serves the model
-    becomes a 503 with the router's reason."""
+async def guard(
+    cfg: FrontendConfig, upstream: str, vocabularies: Callable[[], dict[str, int]], router_health: str = ""
+):
+    """The public listener: refuse what Dynamo's service would answer wrongly (`body_refusal`,
+    in its error shape), say why for a token prompt it refuses without a reason, give a refused
+    stream its 4xx before any of it, pass everything else to Dynamo's service at `upstream`.
+    `vocabularies`: `vocabulary_sizes` of the graph, called once when first needed. While the
+    router's `router_health` says no rank serves, Dynamo's answer that no instance serves the
+    model becomes a 503 with the router's reason."""
     import aiohttp
     from aiohttp import web
 
@@ -102,6 +274,20 @@ async def guard(cfg: FrontendConfig, upstream: str, router_health: str = ""):
         timeout=aiohttp.ClientTimeout(total=None),
         auto_decompress=False,
     )
+    sizes: asyncio.Future | None = None
+
+    async def vocabulary(model: str) -> int | None:
+        nonlocal sizes
+        if sizes is None:
+            sizes = asyncio.ensure_future(asyncio.to_thread(vocabularies))
+        try:
+            return (await asyncio.shield(sizes)).get(model)
+        except Exception as e:  # a reason left unsaid: Dynamo's own answer goes out
+            log.warning("cannot read the served models' vocabularies: %s", e)
+            return None
+
+    def refuse(status: int, message: str) -> web.Response:
+        return web.json_response(error_body(status, message), status=status)
 
     async def no_serving_rank() -> str | None:
         try:
@@ -112,35 +298,57 @@ async def guard(cfg: FrontendConfig, upstream: str, router_health: str = ""):
         return health.get("reason") if health.get("status") == "no serving rank" else None
 
     async def forward(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        if request.method == "POST" and request.path in GUARDED_PATHS:
-            why = dropped_parameter(body)
+        try:
+            body = await asyncio.wait_for(request.read(), cfg.body_timeout_s)
+        except TimeoutError:
+            announced = f" of the {request.content_length} bytes announced" if request.content_length else ""
+            why = f"the request body did not arrive in full{announced} within {cfg.body_timeout_s:g} s"
+            resp = refuse(408, why + " (Frontend.body_timeout_s)")
+            resp.force_close()  # the rest of the body may still come: this connection is done
+            return resp
+        if request.method not in READ_METHODS and not request.path.startswith("/v1/"):
+            # Dynamo's own admin routes (POST /busy_threshold sets the load-shedding thresholds)
+            # share its port; the public one serves the OpenAI API and read-only probes only.
+            return refuse(404, f"{request.method} {request.path} is not served on the OpenAI port")
+        if request.method == "POST":
+            why = body_refusal(request.path, body)
             if why is not None:
-                return web.json_response({"message": why, "type": "Bad Request", "code": 400}, status=400)
+                return refuse(400, why)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         try:
             up = await session.request(
                 request.method, upstream + request.rel_url.raw_path_qs, headers=headers, data=body
             )
         except aiohttp.ClientConnectionError as e:
-            return web.json_response(
-                {"message": f"the OpenAI service is not reachable: {e}", "type": "Service Unavailable", "code": 503},
-                status=503,
-            )
+            return refuse(503, f"the OpenAI service is not reachable: {e}")
         # Leaving this block early (the client went away) closes the upstream connection, which
         # cancels the request in Dynamo as a direct client's disconnect would.
         async with up:
             # No instance serves the model: Dynamo's 503 "not ready", or 404 once it dropped the model.
-            if up.status in (404, 503) and request.path in GUARDED_PATHS and router_health:
+            if up.status in (404, 503) and request.path in GUARDED and router_health:
                 why = await no_serving_rank()
                 if why is not None:
-                    return web.json_response({"message": why, "type": "Service Unavailable", "code": 503}, status=503)
+                    return refuse(503, why)
+            head = b""
+            if up.status == 400 and request.path == "/v1/completions":
+                head = await up.read()
+                model, prompts = token_prompts(body)
+                vocab = await vocabulary(model) if prompts else None
+                why = vocabulary_refusal(prompts, vocab) if vocab is not None else None
+                if why is not None:
+                    return refuse(400, why)
+            elif up.status == 200 and up.content_type == "text/event-stream":
+                head, refused = await first_event(up.content)
+                if refused is not None:
+                    return refuse(*refused)
             resp = web.StreamResponse(
                 status=up.status,
                 reason=up.reason,
                 headers={k: v for k, v in up.headers.items() if k.lower() not in HOP_BY_HOP},
             )
             await resp.prepare(request)
+            if head:
+                await resp.write(head)
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)
             await resp.write_eof()
@@ -175,8 +383,9 @@ async def serve(cfg: FrontendConfig) -> None:
         loop.add_signal_handler(sig, rt.shutdown)
 
     internal = _free_loopback_port()
+    vocabularies = functools.partial(vocabulary_sizes, ctx.configs)
     health = msgspec.convert(ctx.configs.get("Router", {}), ElasticRouterConfig).health_url
-    public = asyncio.ensure_future(guard(cfg, f"http://127.0.0.1:{internal}", health))
+    public = asyncio.ensure_future(guard(cfg, f"http://127.0.0.1:{internal}", vocabularies, health))
     args = EntrypointArgs(
         EngineType.Dynamic,
         http_host="127.0.0.1",

@@ -1,7 +1,9 @@
-"""Tiny random checkpoints of both layouts and the `transformers` reference they are judged by."""
+"""Tiny random checkpoints of every family and the `transformers` reference they are judged by."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -10,12 +12,15 @@ import torch
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [100, 17, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7, 7, 90, 91]]
 
 
-def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0) -> Path:
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0, tokenizer: bool = False) -> Path:
+    """`tokenizer`: with the built-in model's tokenizer files and vocabulary, so a graph can serve it."""
+    import transformers as tf
+
+    from components.engine.models.builtin import builtin_model_dir
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=128,
+        vocab_size=json.loads((builtin_model_dir() / "config.json").read_text())["vocab_size"] if tokenizer else 128,
         hidden_size=32,
         num_hidden_layers=3,
         num_attention_heads=4,
@@ -24,20 +29,25 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0) -
         max_position_embeddings=512,
     )
     if arch == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=8, **common))
-    else:
-        # A shared expert and a dense layer, so every Qwen2-MoE code path runs.
-        model = Qwen2MoeForCausalLM(
-            Qwen2MoeConfig(
-                intermediate_size=48,
-                moe_intermediate_size=24,
-                shared_expert_intermediate_size=40,
-                num_experts=8,
-                mlp_only_layers=[1],
-                **common,
-            )
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=48, num_local_experts=8, **common))
+    elif arch in ("qwen2_moe", "qwen3_moe"):
+        qwen = dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8, mlp_only_layers=[1], **common)
+        # Qwen2-MoE: a shared expert and a dense layer, so every code path runs. Qwen3-MoE: a dense
+        # layer, renormalised top-k weights, and heads wider than hidden_size / heads.
+        model = (
+            tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(shared_expert_intermediate_size=40, **qwen))
+            if arch == "qwen2_moe"
+            else tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(norm_topk_prob=True, head_dim=16, **qwen))
         )
+    elif arch == "olmoe":
+        # clip_qkv low enough to clamp some of the normed q and k entries.
+        model = tf.OlmoeForCausalLM(tf.OlmoeConfig(intermediate_size=24, num_experts=8, clip_qkv=1.5, **common))
+    else:
+        raise ValueError(f"no tiny checkpoint for {arch!r}")
     model.to(dtype).save_pretrained(path)
+    if tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(builtin_model_dir() / name, path / name)
     return path
 
 
@@ -48,8 +58,11 @@ def reference(path: Path, prompts, max_new_tokens: int):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokens, logits = [], []
     for p in prompts:
+        ids = torch.tensor([p])
         out = model.generate(
-            torch.tensor([p]),
+            ids,
+            # Given, not inferred: generate masks a prompt's pad_token_id (OLMoE's is 1) otherwise.
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,

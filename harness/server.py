@@ -113,11 +113,13 @@ class Server:
         model: str | None = MODEL,
         wait: bool = True,
         env: dict[str, str] | None = None,
+        ports: tuple[int, int] | None = None,
     ):
         """`model`: the served model name to wait for and query; None takes the first served one.
-        `wait`: return once it serves (else call `wait_ready`). `env`: set for every component."""
+        `wait`: return once it serves (else call `wait_ready`). `env`: set for every component.
+        `ports`: (OpenAI, router) ports, free ones by default (a restart reuses its predecessor's)."""
         self.model = model
-        self.http_port, self.router_port = free_ports(2)
+        self.http_port, self.router_port = ports or free_ports(2)
         self.tmp = Path(tempfile.mkdtemp(prefix="elastic-test-"))
         self.discovery_dir = self.tmp / "discovery"
         self.env_marker = f"DYN_FILE_KV={self.discovery_dir}"
@@ -317,3 +319,24 @@ def scale(srv: Server, n: int, **extra) -> dict:
     rec = r.json()
     assert r.status_code == (200 if rec["phase"] == "done" else 500), (r.status_code, r.text)
     return rec
+
+
+def scale_under_traffic(srv: Server, sizes, traffic: Traffic, reference) -> tuple[list[dict], list[float]]:
+    """Scale `srv` through `sizes` while `traffic` streams (a second before each and after the
+    last): each operation ends done with the active set it asked for, no stream fails, and every
+    completion is `reference`'s. Returns the records and every rank's KV use seen after each."""
+    ops, kv_usage = [], []
+    with traffic:
+        for n in sizes:
+            time.sleep(1.0)
+            op = scale(srv, n)
+            assert op["phase"] == "done", op
+            topo = srv.topology()
+            assert topo["dp_size"] == n and topo["active"] == list(range(n))
+            kv_usage += [r["kv_usage"] for r in topo["ranks"]]
+            ops.append(op)
+        time.sleep(1.0)
+    assert traffic.errors == []
+    for p, toks, _, _ in traffic.results:
+        assert toks == reference[p], f"prompt {p}"
+    return ops, kv_usage

@@ -1,7 +1,8 @@
 """snapshot-bake: bake, list, inspect, verify and remove worker snapshots; show the tiers possible here.
 
-Exit codes: 0 success; 1 `verify` found a damaged snapshot; 2 bad input (a one-line message, no
-traceback).
+Exit codes: 0 success; 1 `verify` found a damaged snapshot (its directory exists but it is no
+valid snapshot, or a file does not match); 2 bad input (a one-line message, no traceback): a bad
+option, an empty path, a snapshot directory that is missing or not a directory.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def _int_in(lo: int, hi: int | None = None):
 
 
 _ranks, _count = _int_in(1, MAX_RANKS), _int_in(0)
+
+
+def _path(s: str) -> str:
+    # Path("") is ".", so an empty argument (an unset shell variable) would quietly mean the
+    # current directory.
+    if not s.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    return s
 
 
 def _sizes(s: str) -> tuple[int, ...]:
@@ -167,13 +176,17 @@ def cmd_list(a) -> int:
 
 
 def _dir(a):
-    from snapshot.manifest import SnapshotError
+    """The snapshot directory DIR names; a missing one (or not a directory) is a bad argument for
+    every command, `verify` included: there is nothing to check."""
+    from snapshot.manifest import SnapshotError, open_dir
     from snapshot.store import resolve
 
     try:
-        return resolve(a.dir, a.root)
+        d = resolve(a.dir, a.root)
+        os.close(open_dir(d))
     except SnapshotError as e:
         raise UsageError(str(e)) from None
+    return d
 
 
 def cmd_inspect(a) -> int:
@@ -272,7 +285,7 @@ def parser() -> argparse.ArgumentParser:
         description="Bake and manage worker snapshots (initialised engine state without "
         "weights) that joining ranks restore from instead of cold-starting.",
         epilog="Snapshots live under $ELASTIC_EP_SNAPSHOTS (default ~/.cache/elastic-ep/snapshots). "
-        "Exit codes: 0 ok, 1 verify failed, 2 bad input.",
+        "Exit codes: 0 ok, 1 verify failed, 2 bad input (a missing or empty path included).",
     )
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
     root_help = "the snapshot store (default $ELASTIC_EP_SNAPSHOTS or ~/.cache/elastic-ep/snapshots)"
@@ -290,8 +303,10 @@ def parser() -> argparse.ArgumentParser:
         "from its peers. The options must match the deployment (Worker config) that will restore "
         "it; defaults are the Worker's.",
     )
-    b.add_argument("--out", metavar="DIR", help="snapshot directory to create (default: <root>/<snapshot id>)")
-    b.add_argument("--root", metavar="DIR", help=root_help + "; used when --out is not given")
+    b.add_argument(
+        "--out", metavar="DIR", type=_path, help="snapshot directory to create (default: <root>/<snapshot id>)"
+    )
+    b.add_argument("--root", metavar="DIR", type=_path, help=root_help + "; used when --out is not given")
     b.add_argument(
         "--model", metavar="DIR", default="", help="Hugging Face checkpoint directory (default: the built-in model)"
     )
@@ -365,7 +380,7 @@ def parser() -> argparse.ArgumentParser:
         description="List the snapshots under the store root: id, tier, model, device, "
         "created, size and path, newest first.",
     )
-    s.add_argument("--root", metavar="DIR", help=root_help)
+    s.add_argument("--root", metavar="DIR", type=_path, help=root_help)
     s.set_defaults(fn=cmd_list)
 
     for name, fn, hlp, desc in [
@@ -381,7 +396,7 @@ def parser() -> argparse.ArgumentParser:
             cmd_verify,
             "check a snapshot's file checksums",
             "Recompute every file's sha256 against the manifest. Prints 'ok' and exits 0, or names "
-            "the damaged, missing or unexpected file and exits 1.",
+            "the damaged, missing or unexpected file and exits 1 (2 when DIR is missing or no directory).",
         ),
         (
             "rm",
@@ -392,8 +407,10 @@ def parser() -> argparse.ArgumentParser:
         ),
     ]:
         s = sub.add_parser(name, help=hlp, description=desc)
-        s.add_argument("dir", metavar="DIR", help="snapshot directory (or a snapshot id / name under the root)")
-        s.add_argument("--root", metavar="DIR", help=root_help)
+        s.add_argument(
+            "dir", metavar="DIR", type=_path, help="snapshot directory (or a snapshot id / name under the root)"
+        )
+        s.add_argument("--root", metavar="DIR", type=_path, help=root_help)
         if name == "inspect":
             s.add_argument("--json", action="store_true", help="print the manifest as JSON")
         s.set_defaults(fn=fn)

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from components.engine.models.checkpoint import Checkpoint, CheckpointError
 from components.engine.models.config import ConfigError, ModelConfig
 from components.engine.models.registry import config_from_dict, expected_tensors, family
+from harness.reference import make_checkpoint
 
 TINY = dict(
     vocab_size=64,
@@ -167,6 +168,52 @@ def test_sparse_layer_rule():
     config_from_dict({**base, "sliding_window": 4096, "use_sliding_window": False})
 
 
+@pytest.fixture(scope="module", params=["qwen3_moe", "olmoe"])
+def qk_norm(request, tmp_path_factory):
+    """A tiny checkpoint of a family with q/k norms (harness.reference's), and its in-memory state."""
+    d = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    return d, transformers.AutoModelForCausalLM.from_pretrained(d).state_dict()
+
+
+def test_qk_norm_families_open_and_match(qk_norm):
+    d, sd = qk_norm
+    ckpt = Checkpoint.open(d)
+    c, names = ckpt.config, expected_tensors(ckpt.config)
+    assert not c.qkv_bias and c.shared_expert_intermediate_size == 0
+    assert "model.layers.0.mlp.shared_expert_gate.weight" not in names
+    if c.architecture == "qwen3_moe":  # per-head norms, a head_dim of its own, a dense layer
+        assert (c.head_dim, c.norm_topk_prob, c.sparse_layers, c.clip_qkv) == (16, True, (True, False, True), None)
+        assert (
+            names["model.layers.1.self_attn.q_norm.weight"] == names["model.layers.1.self_attn.k_norm.weight"] == (16,)
+        )
+        assert names["model.layers.0.self_attn.q_proj.weight"] == (64, 32)
+    else:  # norms over the whole projections, every layer sparse, weights not renormalised
+        assert c.architecture == "olmoe" and (c.head_dim, c.moe_intermediate_size) == (8, 24)
+        assert (c.norm_topk_prob, c.sparse_layers, c.clip_qkv) == (False, (True,) * 3, 1.5)
+        assert names["model.layers.2.self_attn.q_norm.weight"] == (32,)
+        assert names["model.layers.2.self_attn.k_norm.weight"] == (16,)
+    assert_matches(ckpt, sd)
+
+
+REFUSED = [
+    ("qwen3_moe", {"attention_bias": True}, "attention_bias=True is unsupported (only False)"),
+    ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act='gelu' is unsupported (only 'silu')"),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4096}, "sliding window"),
+    ("qwen3_moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ("olmoe", {"sliding_window": 4096}, "sliding window"),  # OLMoE has no use_sliding_window flag
+    ("olmoe", {"attention_bias": True}, "attention_bias=True is unsupported"),
+    ("olmoe", {"head_dim": 16}, "head_dim=16 is unsupported (only hidden_size / num_attention_heads)"),
+]
+
+
+@pytest.mark.parametrize("arch,change,message", REFUSED)
+def test_a_field_the_family_does_not_implement_is_refused_naming_it(tmp_path, arch, change, message):
+    d = make_checkpoint(arch, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **change}))
+    assert message in _err(d)
+
+
 @pytest.fixture
 def bad(tmp_path, mixtral):
     d = tmp_path / "ckpt"
@@ -201,7 +248,7 @@ def test_unknown_architecture(bad):
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
     assert _err(bad) == (
         f"{bad}/config.json: unknown architecture 'LlamaForCausalLM' "
-        "(supported: MixtralForCausalLM, Qwen2MoeForCausalLM)"
+        "(supported: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM)"
     )
 
 

@@ -13,7 +13,7 @@ from components.engine.request import GenerateRequest, RequestError
 from harness.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 
 MAX_NEW = 10
-ARCHS = ["mixtral", "qwen2_moe"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -328,7 +328,10 @@ def test_bad_requests_are_refused_with_the_reason(tmp_path):
     cases = [
         (GenerateRequest("a", [], 4), "the prompt is empty"),
         (GenerateRequest("b", [1, 2], 300), "context is 256 tokens; the prompt has 2 and max_tokens is 300"),
-        (GenerateRequest("c", [1, 999], 4), "token ids [999] are outside the vocabulary (size 128)"),
+        (
+            GenerateRequest("c", [1, 999], 4),
+            "prompt token id 999 at index 1 is outside the vocabulary: valid ids are 0 to 127",
+        ),
         (GenerateRequest("d", [1], 0), "max_tokens must be at least 1"),
         (GenerateRequest("e", [1], 4, temperature=1.0, top_p=0.0), "top_p in (0, 1]"),
         (GenerateRequest("g", [1], 4, temperature=1.0, top_k=-1), "top_k must be >= 0 (0: no top-k cut); got -1"),
@@ -395,6 +398,30 @@ def test_a_seeded_completion_does_not_depend_on_its_batch(tmp_path, device):
         assert outs["0"] == generate(eng, [PROMPTS[0]], MAX_NEW, ignore_eos=True)[0][0]
         if device == "cuda":
             assert eng.graphs.samplers  # the decode rows drew in a graph
+    finally:
+        eng.stop()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_temperature_below_the_floor_samples_at_it(tmp_path, device):
+    """temperature 1e-45 (a float32 denormal) overflowed logits / T and drew the same token every
+    step (here 1, the eos: a completion of one token, finish_reason stop); below MIN_TEMPERATURE
+    a request samples at it, as in vLLM, alone or beside another request.
+    On CUDA the decode rows draw in the sampling graphs."""
+    from components.engine.sampler import MIN_TEMPERATURE
+
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), device)
+    eng.start()
+    try:
+        kw = {"ignore_eos": True, "seed": 3}
+        (floor,), _ = generate(eng, [PROMPTS[1]], MAX_NEW, temperature=MIN_TEMPERATURE, **kw)
+        for t in (1e-45, 1e-38, 1e-6):
+            (tiny,), _ = generate(eng, [PROMPTS[1]], MAX_NEW, temperature=t, **kw)
+            assert tiny == floor, t
+        batched, _ = generate(eng, [PROMPTS[1], PROMPTS[0]], MAX_NEW, temperature=1e-45, **kw)
+        assert batched[0] == floor and len(set(floor)) > 1
+        if device == "cuda":
+            assert eng.graphs.samplers
     finally:
         eng.stop()
 

@@ -73,7 +73,8 @@ def test_every_serving_rank_killed_is_rebuilt_at_its_size(reference):
         ops = srv.control("GET", "/operations").json()
         rebuilds = [op for op in ops if op["kind"] == "rebuild"]
         assert rebuilds and rebuilds[-1]["phase"] == "done", ops
-        assert rebuilds[-1]["masked"] == [0, 1], rebuilds[-1]
+        # Rank 0's failover may have committed before rank 1 died: masked by it, or by the rebuild.
+        assert sorted(r for op in ops for r in op["masked"]) == [0, 1], ops
         assert len(ops) <= 6, [(op["id"], op["phase"], op["error"]) for op in ops]  # no spinning
         assert len(clients.results) > served_after  # streams completed after the rebuild
         assert not any(t.is_alive() for t in clients.threads)  # no request hung

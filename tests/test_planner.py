@@ -1,7 +1,7 @@
 """The planner: DP size follows a load ramp against `dynamo serve` (CPU), without flapping;
 a dead planner leaves the deployment serving at its size; bad bounds are refused at start;
-the decision rule, the metrics parsing, the Dynamo planner connector and the Kubernetes
-capacity provider (against a fake API server) on their own."""
+the decision rule, the metrics parsing and the Kubernetes capacity provider (against a fake API
+server) on their own. Dynamo's planner driving the size: tests/test_planner_dynamo.py."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
+from components.planner.router_client import RouterClient
 from components.planner.service import (
     Bounds,
     Decision,
@@ -135,7 +136,9 @@ dynamo_frontend_requests_total{model="m"} 7
 
 
 def test_planner_metrics_expose_its_last_decision():
-    svc = PlannerService(Planner.Config(), Bounds(min_dp=1, max_dp=4, up=4.0, down=1.0), "http://fe", "http://rt")
+    svc = PlannerService(
+        Planner.Config(), Bounds(min_dp=1, max_dp=4, up=4.0, down=1.0), "http://fe", RouterClient("http://rt")
+    )
     empty = parse_prometheus(generate_latest(svc.registry).decode())
     assert empty["elastic_planner_target_dp"] == [({}, 0.0)] and "elastic_planner_load" not in empty
     svc.last_inputs = inputs(2, 9.5, rate_ewma=1.25)
@@ -164,7 +167,9 @@ def test_planner_metrics_expose_its_last_decision():
 
 def test_a_keep_for_the_same_reason_as_the_last_is_logged_at_debug(caplog):
     """A decision every interval: the keeps that say nothing new must not bury the ones that act."""
-    svc = PlannerService(Planner.Config(), Bounds(min_dp=1, max_dp=4, up=4.0, down=1.0), "http://fe", "http://rt")
+    svc = PlannerService(
+        Planner.Config(), Bounds(min_dp=1, max_dp=4, up=4.0, down=1.0), "http://fe", RouterClient("http://rt")
+    )
     decisions = [
         ("keep", 2, "load/rank 0.00 within band (4, 16] (at min_dp)"),
         ("keep", 2, "load/rank 0.50 within band (4, 16] (at min_dp)"),  # same kind: debug
@@ -193,6 +198,8 @@ def test_a_keep_for_the_same_reason_as_the_last_is_logged_at_debug(caplog):
         (["--Planner.step=0"], "step must be >= 1"),
         (["--Planner.min_dp=3"], "Worker.dp_size (2) is outside the planner's bounds 3..4"),
         (["--Planner.scale_up_threshold=2", "--Planner.scale_down_threshold=3"], "must be below scale_up_threshold"),
+        (["--Planner.kind=dynamic"], "kind must be one of embedded, dynamo (got 'dynamic')"),
+        (["--Planner.kind=dynamo"], "Planner.kind=dynamo needs --discovery etcd"),
     ],
 )
 def test_bad_planner_config_is_refused_at_start(args, message, tmp_path):
@@ -379,34 +386,6 @@ def test_dead_planner_leaves_the_deployment_serving(server, reference, planner_p
     assert all(text == reference[p] for p, text, _, _ in load.results)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{planner_port}/metrics", timeout=2)
-
-
-# ---------------------------------------------------------------------------------------------
-# Dynamo's planner connector contract, mapped onto DP size (the planner above is dead by now)
-
-
-def test_dynamo_connector_drives_dp_size(server, reference):
-    from components.planner.connector import ElasticDPConnector, TargetReplica
-
-    async def go():
-        conn = ElasticDPConnector(router_url=str(server.ctl.base_url), model_name="elastic-ep/tiny-moe")
-        await conn.async_init()
-        await conn.validate_deployment(decode_component_name="worker", require_prefill=False)
-        assert await conn.get_actual_worker_counts(decode_component_name="worker") == (0, 1, True)
-        await conn.set_component_replicas(
-            [TargetReplica(sub_component_type="decode", desired_replicas=2)], blocking=True
-        )
-        assert await conn.get_actual_worker_counts(decode_component_name="worker") == (0, 2, True)
-        await conn.remove_component("decode", blocking=True)
-        counts = await conn.get_actual_worker_counts(decode_component_name="worker")
-        with pytest.raises(ValueError, match="exceeds max_ranks 3"):
-            await conn.set_component_replicas([TargetReplica(sub_component_type="decode", desired_replicas=9)])
-        assert conn.get_model_name(require_prefill=False) == "elastic-ep/tiny-moe"
-        await conn.close()
-        return counts
-
-    assert asyncio.run(go()) == (0, 1, True)
-    assert server.stream_text(PROMPTS[1], MAX_TOKENS) == reference[1]
 
 
 # ---------------------------------------------------------------------------------------------

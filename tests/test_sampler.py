@@ -81,3 +81,23 @@ def test_a_rows_draw_depends_on_its_own_seed_and_position_only():
     # Another seed or another position draws anew: spread over 300 tokens, some row changes.
     assert sample(logits, temp, top_p, top_k, seed + 1, pos).tolist() != alone
     assert sample(logits, temp, top_p, top_k, seed, pos + 1).tolist() != alone
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-8, 1e-3])
+def test_a_temperature_too_small_to_divide_by_samples_at_the_floor(temperature):
+    """logits / 1e-45 overflows float32 to +-inf (softmax NaN), and the draw took the first token
+    it kept; a temperature below MIN_TEMPERATURE is raised to it, as vLLM does, so the draw is
+    the one at 1e-2: here the top token, whatever the seed, in the same batch as any other row."""
+    from components.engine.sampler import MIN_TEMPERATURE
+
+    torch.manual_seed(2)
+    logits = torch.randn(64, 300) * 5
+    logits[:, 0] = logits.min() - 1  # the first token the least likely
+    n = logits.shape[0]
+    args = (torch.ones(n), torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.full((n,), 9))
+    got = sample(logits, torch.full((n,), temperature), *args)
+    assert got.tolist() == sample(logits, torch.full((n,), MIN_TEMPERATURE), *args).tolist()
+    # at 1e-2 the top two of these logits are far enough apart that every draw is the top token
+    assert got.tolist() == logits.argmax(-1).tolist()
+    mixed = torch.tensor([temperature, 1.0] * (n // 2))  # a row's draw does not depend on its neighbours
+    assert sample(logits, mixed, *args)[::2].tolist() == got[::2].tolist()

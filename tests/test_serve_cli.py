@@ -156,6 +156,7 @@ def test_help_explains_options() -> None:
         ("--Nope.port=1", "unknown component 'Nope'"),
         ("--EchoWorker.replicas=[1]", "wrong type for EchoWorker.replicas"),
         ("--Frontend.router_mode=kv", "router_mode must be one of"),
+        ("--Frontend.body_timeout_s=0", "body_timeout_s must be > 0"),
     ],
 )
 def test_bad_override_exits_2(override: str, message: str) -> None:

@@ -464,12 +464,22 @@ def test_cli_bad_input(tmp_path, capsys):
     refused("--out", tmp_path / "fifo", "--force", says="exists and is not a directory")
     assert not (tmp_path / "x").exists() and (tmp_path / "file").read_text() == "not a model"
 
-    rc, err = run("verify", tmp_path / "nothing")
-    assert rc == 1 and "no such directory" in err
-    rc, err = run("inspect", tmp_path / "nothing")
-    assert rc == 2 and "no such directory" in err
-    rc, err = run("inspect", tmp_path / "fifo")
-    assert rc == 2 and err.strip() == f"snapshot-bake: error: snapshot {tmp_path / 'fifo'}: not a directory"
+    # A missing snapshot directory, or none at all, is a bad argument to every command (2, the
+    # same line); a directory that is no valid snapshot is a failed check (1) to `verify`.
+    nothing = tmp_path / "nothing"
+    for cmd in ("verify", "inspect", "rm"):
+        rc, err = run(cmd, nothing)
+        assert (rc, err) == (2, f"snapshot-bake: error: snapshot {nothing}: no such directory\n"), cmd
+        rc, err = run(cmd, tmp_path / "fifo")
+        assert (rc, err) == (2, f"snapshot-bake: error: snapshot {tmp_path / 'fifo'}: not a directory\n"), cmd
+        # Path("") is the current directory: never taken for one
+        rc, err = run(cmd, "")
+        assert rc == 2 and err.startswith(f"snapshot-bake: error: argument DIR: an empty path (see snapshot-bake {cmd}")
+    for args in (("list", "--root", ""), ("verify", "x", "--root", ""), ("bake", "-q", "--out", "")):
+        rc, err = run(*args)
+        assert rc == 2 and "an empty path" in err, args
+    rc, err = run("verify", tmp_path / "m")  # a directory, but no snapshot
+    assert rc == 1 and "manifest.json is missing" in err
 
 
 def test_cli_tiers():

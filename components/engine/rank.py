@@ -37,6 +37,7 @@ from components.engine.request import GenerateRequest, RequestError, TokenOutput
 from components.engine.sampler import SampleParams, sample
 from components.engine.scheduler import Scheduler, Sequence
 from components.protocol.placement import Placement, balanced_placement, slots_needed
+from components.protocol.prompt import out_of_vocabulary
 from components.protocol.transfer import expert_slot_name
 
 log = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ class EngineRank:
         row = mc.hidden_size * self.dtype.itemsize + 4
         capacity = max(64, cfg.max_batched_tokens * mc.top_k * row)
         self.comm = comm or ep_communicator(cfg, self.device, mc, self.dtype, capacity)
-        self.expert_map = ExpertMap(mc.num_layers, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
+        self.expert_map = ExpertMap(mc.num_moe_layers, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
         self.model = build_model(mc, ExpertParallel(self.comm, self.expert_map), self.max_len, self.dtype, self.device)
         if load_weights:  # a joiner leaves them empty and pulls them from peers instead
             self.model.load_dense(self.ckpt)
@@ -349,10 +350,10 @@ class EngineRank:
         """Everything a peer may pull from this rank: the parameters, and each expert slot by name
         (a slot's logical expert changes with the map; its name does not)."""
         tensors = dict(self.model.named_parameters())
-        for layer, moe in self.model.moe_layers:
+        for row, moe in self.model.moe_layers:  # named by placement row, as the router plans pulls
             for slot in range(self.slots_per_rank):
                 for part, buf in (("gate", moe.w_gate), ("up", moe.w_up), ("down", moe.w_down)):
-                    tensors[expert_slot_name(layer, slot, part)] = buf[slot]
+                    tensors[expert_slot_name(row, slot, part)] = buf[slot]
         return tensors
 
     @property
@@ -361,7 +362,7 @@ class EngineRank:
 
     def default_placement(self, active) -> Placement:
         mc = self.model_config
-        return balanced_placement(mc.num_layers, mc.num_experts, self.cfg.max_ranks, self.slots_per_rank, active)
+        return balanced_placement(mc.num_moe_layers, mc.num_experts, self.cfg.max_ranks, self.slots_per_rank, active)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"rank{self.cfg.rank}", daemon=True)
@@ -401,9 +402,9 @@ class EngineRank:
                 f"this model's context is {L} tokens; the prompt has {n} and max_tokens is "
                 f"{req.max_tokens} ({n + req.max_tokens} in all)"
             )
-        bad = [t for t in req.prompt if not 0 <= t < V]
+        bad = out_of_vocabulary(req.prompt, V)
         if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (size {V})")
+            raise RequestError(f"prompt {bad}")
         if not 0 <= req.replay < n:
             raise RequestError(f"replay must leave at least one prompt token: 0 <= replay < {n}, got {req.replay}")
         if req.temperature < 0 or not 0 < req.top_p <= 1:

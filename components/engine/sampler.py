@@ -19,6 +19,10 @@ _MASK32 = 0xFFFFFFFF
 # (wrapping is undefined behaviour in the kernels) and the same bits come out on every device.
 _M1, _M2 = 0x7FEB352D, 0x2C1B3C6D
 _GOLDEN = 0x9E3779B9
+# The lowest temperature a row is sampled at, as in vLLM (SamplingParams: 0 < T < 1e-2 is raised to
+# 1e-2). Below it logits / T overflows float32 (T = 1e-45 is a denormal: every logit becomes
+# +-inf, softmax NaN) and the draw returns whichever token comes first.
+MIN_TEMPERATURE = 1e-2
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -68,14 +72,14 @@ def sample(
 ) -> torch.Tensor:
     """The next token of each row of `logits` ([B, V] float32), as a [B] int64 device tensor.
 
-    Per row: temperature 0 is greedy; otherwise the token is drawn from softmax(logits / T)
-    restricted to the `top_k` most likely tokens (0: all), then to the smallest prefix of those
-    whose mass reaches `top_p` (the top token always stays). `seed` is an int64 in [0, 2**63);
+    Per row: temperature 0 is greedy; otherwise the token is drawn from softmax(logits / T), T
+    raised to MIN_TEMPERATURE, restricted to the `top_k` most likely tokens (0: all), then to the
+    smallest prefix of those whose mass reaches `top_p` (the top token always stays). `seed` is an int64 in [0, 2**63);
     `position` is the index in the sequence of the token being sampled."""
     B, V = logits.shape
     greedy = torch.argmax(logits, dim=-1)
     sampled = temperature > 0
-    scaled = logits / torch.where(sampled, temperature, 1.0).unsqueeze(1)
+    scaled = logits / torch.where(sampled, temperature.clamp(min=MIN_TEMPERATURE), 1.0).unsqueeze(1)
     sorted_logits, idx = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(V, device=logits.device).unsqueeze(0)
     keep = (top_k.unsqueeze(1) <= 0) | (rank < top_k.unsqueeze(1))

@@ -1,1 +1,1 @@
-"""Autoscaling: the planner's policy and service, and a connector for Dynamo's planner."""
+"""Autoscaling: our planner's policy and service, and the system side of Dynamo's virtual connector."""

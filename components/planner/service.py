@@ -26,7 +26,8 @@ Defaults keep an idle default deployment where it started: `min_dp` = 0 means Wo
 (the start size), `max_dp` = 0 means Worker.max_ranks, and `scale_up_threshold` = 0 means
 Worker.max_seqs (scale up only when the ranks' batches are full on average). Set
 `--Planner.min_dp=1` to let it shrink below the start size, `--Planner.enabled=false` for
-manual control only.
+manual control only, `--Planner.kind=dynamo` to have Dynamo's own planner decide instead
+(`components/planner/virtual.py`: this module's config, bounds and endpoints, its decisions).
 """
 
 from __future__ import annotations
@@ -50,18 +51,24 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from components.graph.component import Component, GraphContext, ProcessSpec, component_config, load_context
+from components.planner.router_client import RouterClient
 from components.protocol.config import FrontendConfig, RouterConfig, WorkerConfig
 from components.protocol.topology import ScaleMode, Topology
 
 log = logging.getLogger("components.planner.service")
 
 ACTIONS = ("keep", "up", "down")
+KINDS = {"embedded": "components.planner.service", "dynamo": "components.planner.virtual"}
 _UNSEEN = object()
 
 
 class Planner(Component):
     class Config(msgspec.Struct, forbid_unknown_fields=True):
         enabled: bool = True
+        # Who decides the size: "embedded" (this module's policy) or "dynamo" (Dynamo's own
+        # planner, through its virtual connector in etcd: components/planner/virtual.py). Both
+        # stay within min_dp..max_dp and act through the router's POST /scale.
+        kind: str = "embedded"
         min_dp: int = 0  # 0 = Worker.dp_size (an idle deployment stays at its start size)
         max_dp: int = 0  # 0 = Worker.max_ranks
         step: int = 1  # the most ranks (GPUs) one operation adds or removes
@@ -82,6 +89,8 @@ class Planner(Component):
 
         def __post_init__(self) -> None:
             # Raised here so `dynamo serve` refuses a bad value before anything starts.
+            if self.kind not in KINDS:
+                raise ValueError(f"kind must be one of {', '.join(KINDS)} (got {self.kind!r})")
             if self.step < 1:
                 raise ValueError(f"step must be >= 1 (got {self.step}): it is how many ranks one operation moves")
             if self.min_dp < 0 or self.max_dp < 0:
@@ -115,8 +124,13 @@ class Planner(Component):
         if not config.enabled:
             return []
         resolve(config, msgspec.convert(ctx.configs.get("Worker", {}), WorkerConfig))  # ValueError: what is wrong
+        if config.kind == "dynamo" and ctx.discovery != "etcd":
+            raise ValueError(
+                "Planner.kind=dynamo needs --discovery etcd: Dynamo's planner publishes its decisions "
+                "in etcd and counts the workers it sees registered there"
+            )
         # Not critical: a planner that dies leaves the deployment serving at its current size.
-        return [ProcessSpec(label=cls.name(), argv=[sys.executable, "-m", cls.module], critical=False)]
+        return [ProcessSpec(label=cls.name(), argv=[sys.executable, "-m", KINDS[config.kind]], critical=False)]
 
 
 class Bounds(msgspec.Struct, frozen=True):
@@ -353,10 +367,10 @@ def _kind(reason: str) -> str:
 
 
 class PlannerService:
-    def __init__(self, cfg: Planner.Config, bounds: Bounds, frontend_url: str, router_url: str, token: str = ""):
+    def __init__(self, cfg: Planner.Config, bounds: Bounds, frontend_url: str, router: RouterClient):
         self.cfg, self.bounds = cfg, bounds
-        self.frontend_url, self.router_url = frontend_url.rstrip("/"), router_url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.frontend_url = frontend_url.rstrip("/")
+        self.router = router
         self.policy = Policy(cfg, bounds)
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=500)
         self.counts = {a: 0 for a in ACTIONS}
@@ -374,21 +388,20 @@ class PlannerService:
         self.last: Decision | None = None
         self.last_inputs: Inputs | None = None
 
-    async def _get(self, url: str) -> Any:
+    async def _frontend_metrics(self) -> dict:
         import aiohttp
 
-        async with self.session.get(
-            url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.cfg.http_timeout_s)
-        ) as r:
+        url = f"{self.frontend_url}/metrics"
+        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.cfg.http_timeout_s)) as r:
             if r.status != 200:
                 raise RuntimeError(f"GET {url}: HTTP {r.status}")
-            return await r.read()
+            return parse_prometheus((await r.read()).decode())
 
     async def observe(self) -> Inputs | None:
-        topo = msgspec.json.decode(await self._get(f"{self.router_url}/topology"), type=Topology)
+        topo = await self.router.topology()
         fe: dict | None = None
         try:
-            fe = parse_prometheus((await self._get(f"{self.frontend_url}/metrics")).decode())
+            fe = await self._frontend_metrics()
         except Exception as e:
             log.warning("planner: frontend metrics unavailable (%s); deciding from the router's view", e)
         now = time.monotonic()
@@ -469,25 +482,17 @@ class PlannerService:
         self.seen_op = key
 
     async def act(self, target: int) -> tuple[bool, str]:
-        import aiohttp
-
         try:
-            async with self.session.post(
-                f"{self.router_url}/scale",
-                json={"dp_size": target, "mode": ScaleMode.parse(self.cfg.mode).value},
-                headers=self.headers,
-                timeout=aiohttp.ClientTimeout(total=self.cfg.http_timeout_s),
-            ) as r:
-                body = await r.text()
-                if r.status == 202:
-                    self.requests["accepted"] += 1
-                    self.policy.last_op_end = time.monotonic()
-                    return True, ""
-                self.requests["refused"] += 1
-                return False, f"router answered {r.status}: {body.strip()[:300]}"
+            status, body = await self.router.scale(target, self.cfg.mode)
         except Exception as e:
             self.requests["failed"] += 1
             return False, f"router unreachable: {e}"
+        if status == 202:
+            self.requests["accepted"] += 1
+            self.policy.last_op_end = time.monotonic()
+            return True, ""
+        self.requests["refused"] += 1
+        return False, f"router answered {status}: {body[:300]}"
 
     async def tick(self) -> Decision:
         now = time.monotonic()
@@ -564,6 +569,7 @@ class PlannerService:
         import aiohttp
 
         async with aiohttp.ClientSession() as self.session:
+            self.router.session = self.session
             log.info(
                 "planner: bounds %d..%d, step %d, thresholds up %g / down %g per rank, interval %gs, "
                 "hysteresis %d up / %d down intervals, cooldown %gs; router %s, frontend %s",
@@ -576,10 +582,10 @@ class PlannerService:
                 self.cfg.up_intervals,
                 self.cfg.down_intervals,
                 self.cfg.cooldown_s,
-                self.router_url,
+                self.router.url,
                 self.frontend_url,
             )
-            await self._wait_router(stop)
+            await self.router.wait_ready(stop)
             while not stop.is_set():
                 t0 = time.monotonic()
                 try:
@@ -591,39 +597,31 @@ class PlannerService:
                 except TimeoutError:
                     pass
 
-    async def _wait_router(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                async with self.session.get(f"{self.router_url}/health", headers=self.headers) as r:
-                    if r.status == 200:
-                        return
-            except Exception:
-                pass
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except TimeoutError:
-                pass
-
 
 def _local(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-async def serve() -> None:
-    from aiohttp import web
+def router_client(ctx: GraphContext, cfg: Planner.Config) -> RouterClient:
+    """The graph's router, as its config says where it listens."""
+    rt = msgspec.convert(ctx.configs.get("Router", {}), RouterConfig)
+    return RouterClient(f"http://{_local(rt.host)}:{rt.port}", rt.token, cfg.http_timeout_s)
 
+
+async def serve() -> None:
     ctx, _ = load_context()
     cfg = component_config(Planner.Config)
     bounds = resolve(cfg, msgspec.convert(ctx.configs.get("Worker", {}), WorkerConfig))
     fe = msgspec.convert(ctx.configs.get("Frontend", {}), FrontendConfig)
-    rt = msgspec.convert(ctx.configs.get("Router", {}), RouterConfig)
-    svc = PlannerService(
-        cfg,
-        bounds,
-        f"http://{_local(fe.host)}:{fe.port}",
-        f"http://{_local(rt.host)}:{rt.port}",
-        rt.token,
-    )
+    svc = PlannerService(cfg, bounds, f"http://{_local(fe.host)}:{fe.port}", router_client(ctx, cfg))
+    await run_planner(svc, cfg.port)
+
+
+async def run_planner(svc: Any, port: int) -> None:
+    """Run a planner service (`svc.run(stop)`) until SIGTERM or SIGINT, its `registry` served at
+    127.0.0.1:`port`/metrics and its `decisions` at /decisions (none for port 0)."""
+    from aiohttp import web
+
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -636,16 +634,16 @@ async def serve() -> None:
         return web.Response(body=msgspec.json.encode(list(svc.decisions)), content_type="application/json")
 
     runner = None
-    if cfg.port:
+    if port:
         app = web.Application()
         app.add_routes([web.get("/metrics", metrics), web.get("/decisions", decisions)])
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         try:
-            await web.TCPSite(runner, "127.0.0.1", cfg.port).start()
-            log.info("planner metrics on http://127.0.0.1:%d/metrics", cfg.port)
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            log.info("planner metrics on http://127.0.0.1:%d/metrics", port)
         except OSError as e:  # the planner still plans; only its own endpoint is missing
-            log.warning("planner: cannot serve metrics on 127.0.0.1:%d (%s); running without them", cfg.port, e)
+            log.warning("planner: cannot serve metrics on 127.0.0.1:%d (%s); running without them", port, e)
     try:
         await svc.run(stop)
     finally:

@@ -130,9 +130,14 @@ class FrontendConfig(msgspec.Struct, forbid_unknown_fields=True):
     # times; with 0 the client sees the failure while a dead entry is still routable.
     migration_limit: int = 3
     router_mode: str = "round-robin"
+    # Seconds a request's whole body may take to arrive: a client that sends less than its
+    # Content-Length gets a 408 then, instead of holding the connection for as long as it likes.
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         # Raised here so `dynamo serve` rejects a bad value before anything starts.
+        if not self.body_timeout_s > 0:
+            raise ValueError("body_timeout_s must be > 0")
         if self.router_mode not in ROUTER_MODES:
             raise ValueError(f"router_mode must be one of {', '.join(ROUTER_MODES)}")
         if not 0 <= self.port <= 65535:

@@ -49,6 +49,12 @@ class ModelConfig(msgspec.Struct, frozen=True):
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: str
+    clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after their projections (OLMoE)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """The rows of the expert map and of a placement: one per sparse layer, in layer order."""
+        return sum(self.sparse_layers)
 
     def identity(self) -> str:
         # msgspec encodes struct fields in declaration order, so the hash is stable.
@@ -116,3 +122,12 @@ def refuse_sliding_window(c: dict[str, Any], on_by_default: bool) -> None:
     window = c.get("sliding_window")
     if window and c.get("use_sliding_window", on_by_default):
         raise ConfigError(f"sliding window attention (sliding_window={window}) is unsupported")
+
+
+def refuse_unless(c: dict[str, Any], **implemented: Any) -> None:
+    """Raise naming the first field set to a value other than the one the family implements
+    (absent or null reads as that value)."""
+    for field, ok in implemented.items():
+        value = c.get(field)
+        if value is not None and value != ok:
+            raise ConfigError(f"{field}={value!r} is unsupported (only {ok!r})")

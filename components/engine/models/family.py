@@ -66,7 +66,8 @@ class EngineModel(Protocol):
         """Logits (fp32) of each sequence's last token: [B, vocab]."""
 
     @property
-    def moe_layers(self) -> list[tuple[int, nn.Module]]: ...
+    def moe_layers(self) -> list[tuple[int, nn.Module]]:
+        """(placement row, MoE layer) of each sparse layer (moe.layer: its index in the model)."""
 
     def dummy_step(self) -> None: ...
 

@@ -168,11 +168,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, nh, hd], k and v [T, nkv, hd] of x, before the rotary embedding: where a family's
+        attention differs ahead of the cache (q/k norms, clipping), its subclass says so here."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.nh, self.hd)
         k = self.k_proj(x).view(T, self.nkv, self.hd)
-        v = self.v_proj(x).view(T, self.nkv, self.hd)
+        return q, k, self.v_proj(x).view(T, self.nkv, self.hd)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.project(x)
         kc, vc = kv.k[self.layer], kv.v[self.layer]
         if x.is_cuda:  # one kernel: rotary of q and k, k and v into the cache (torch: ~16)
             from components.engine.kernels.rotary import rotary_cache_write
@@ -230,8 +236,12 @@ class DecoderBlock(nn.Module):
     def __init__(self, cfg, layer: int, rotary: Rotary, bias: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias, rotary, layer)
+        self.self_attn = self.attention(cfg, layer, rotary, bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def attention(self, cfg, layer: int, rotary: Rotary, bias: bool) -> Attention:
+        """The block's `self_attn`; a family whose attention differs returns its subclass."""
+        return Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias, rotary, layer)
 
     ffn: nn.Module  # the feed-forward: an EP MoE or a dense MLP
     moe: nn.Module | None  # the ffn when it is expert-parallel

@@ -37,7 +37,9 @@ class MoETransformer(nn.Module):
 
     @property
     def moe_layers(self) -> list[tuple[int, SparseMoE]]:
-        return [(i, b.moe) for i, b in enumerate(self.model.layers) if b.moe is not None]
+        """(row, layer) of each MoE layer: its row of the expert map and of placements (their
+        order among the MoE layers; the layer's own index in the model is `moe.layer`)."""
+        return [(b.moe.row, b.moe) for b in self.model.layers if b.moe is not None]
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Logits (fp32) of each sequence's last token: [B, vocab]."""
@@ -63,11 +65,11 @@ class MoETransformer(nn.Module):
         the slots whose expert differs from it."""
         tensor_names = family(self.cfg).expert_tensors
         with torch.no_grad():
-            for layer, moe in self.moe_layers:
-                before = since.experts_on(rank, layer) if since else None
-                for slot, expert in enumerate(placement.experts_on(rank, layer)):
+            for row, moe in self.moe_layers:
+                before = since.experts_on(rank, row) if since else None
+                for slot, expert in enumerate(placement.experts_on(rank, row)):
                     if expert >= 0 and (before is None or before[slot] != expert):
-                        names = tensor_names(self.cfg, layer, expert)
+                        names = tensor_names(self.cfg, moe.layer, expert)
                         moe.load_slot(slot, *(ckpt.get(n, dtype=moe.w_gate.dtype) for n in names))
 
 
