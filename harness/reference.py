@@ -23,7 +23,9 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0) -
         num_experts_per_tok=2,
         max_position_embeddings=512,
     )
-    if arch == "mixtral":
+    if arch.startswith("deepseek_v3"):
+        model = _deepseek_v3(arch, common)
+    elif arch == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=8, **common))
     else:
         # A shared expert and a dense layer, so every Qwen2-MoE code path runs.
@@ -39,6 +41,39 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0) -
         )
     model.to(dtype).save_pretrained(path)
     return path
+
+
+def _deepseek_v3(arch: str, common: dict):
+    """ "deepseek_v3": q LoRA, yarn, interleaved rope, grouped routing; "deepseek_v3_q_proj": no
+    q LoRA, default rope, one group. Both with a dense first layer, shared experts and a nonzero
+    selection bias (which changes the choice, not the weights)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    lora = arch == "deepseek_v3"
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0}
+    cfg = DeepseekV3Config(
+        **{**common, "num_key_value_heads": common["num_attention_heads"]},
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=24 if lora else None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        n_group=4 if lora else 1,
+        topk_group=2 if lora else 1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        rope_interleave=lora,
+        rope_parameters={"rope_theta": 10000.0, **({**yarn, "mscale_all_dim": 1.0} if lora else {})},
+    )
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers[cfg.first_k_dense_replace :]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    return model
 
 
 def reference(path: Path, prompts, max_new_tokens: int):

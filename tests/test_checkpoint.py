@@ -201,7 +201,7 @@ def test_unknown_architecture(bad):
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
     assert _err(bad) == (
         f"{bad}/config.json: unknown architecture 'LlamaForCausalLM' "
-        "(supported: MixtralForCausalLM, Qwen2MoeForCausalLM)"
+        "(supported: MixtralForCausalLM, Qwen2MoeForCausalLM, DeepseekV3ForCausalLM)"
     )
 
 

@@ -13,7 +13,7 @@ from components.engine.request import GenerateRequest, RequestError
 from harness.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 
 MAX_NEW = 10
-ARCHS = ["mixtral", "qwen2_moe"]
+ARCHS = ["mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v3_q_proj"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from components.engine.models.moe import SparseMoE
+
 
 def with_pending(ids: torch.Tensor, src: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
     """`ids`, each row with a `src` >= 0 taking `drawn[src]` instead: the token the step before
@@ -128,17 +130,22 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """HF-style rotary embedding (rotate_half over split halves), table computed in fp32."""
 
-    def __init__(self, head_dim: int, theta: float, max_len: int):
+    def __init__(
+        self, head_dim: int, theta: float, max_len: int, inv_freq: torch.Tensor | None = None, scale: float = 1.0
+    ):
+        """`inv_freq`: frequencies of a scaled RoPE (yarn) in place of theta's; `scale` multiplies
+        the tables (yarn's attention factor)."""
         super().__init__()
         # Computed on the host, then moved to the default device: on a GPU the first launch of
         # each of these ops, which serving never runs again, would load its kernel module, and
         # the driver keeps about 100 MB of host memory for them, carried by every snapshot image.
         dev, cpu = torch.get_default_device(), torch.device("cpu")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dev), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dev), persistent=False)
+        self.register_buffer("cos", (emb.cos() * scale).to(dev), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(dev), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
@@ -147,15 +154,32 @@ class Rotary(nn.Module):
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def gathered_decode(q, kc, vc, slots: torch.Tensor, ctx_lens: torch.Tensor, kv_len: int) -> torch.Tensor:
+def gathered_decode(
+    q, kc, vc, slots: torch.Tensor, ctx_lens: torch.Tensor, kv_len: int, scale: float | None = None
+) -> torch.Tensor:
     """Decode attention of q [B, nh, hd] over the first kv_len positions of each row's cache slot,
     copied out, with a length mask: fixed shapes, so a graph can capture it, but every row copies
-    kv_len positions whatever its context (the CUDA path reads in place: decode_attention.py)."""
+    kv_len positions whatever its context (the CUDA path reads in place: decode_attention.py).
+    `scale`: the softmax scale, 1/sqrt(hd) if None."""
     keys = kc[slots, :kv_len].transpose(1, 2)
     vals = vc[slots, :kv_len].transpose(1, 2)
     mask = (torch.arange(kv_len, device=q.device) < ctx_lens.unsqueeze(1))[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)
     return out.squeeze(2)
+
+
+def causal_prefill(q, kc, vc, batch: ForwardBatch, i: int, start: int, scale: float | None = None) -> torch.Tensor:
+    """Sequence i of `batch`, whose tokens start at `start` in it (they are laid out in order),
+    over its cache slot, causally; `scale` as gathered_decode's."""
+    n, ctx, slot = batch.q_lens[i], batch.ctx_lens_list[i], batch.slots_list[i]
+    qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
+    keys = kc[slot, :ctx].transpose(0, 1).unsqueeze(0)
+    vals = vc[slot, :ctx].transpose(0, 1).unsqueeze(0)
+    # Query j sits at absolute position ctx - n + j and sees keys up to that position.
+    qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+    mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
+    out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)
+    return out.squeeze(0).transpose(0, 1)
 
 
 class Attention(nn.Module):
@@ -187,7 +211,7 @@ class Attention(nn.Module):
             out = self._decode(q, kc, vc, batch)
         else:
             starts = itertools.accumulate(batch.q_lens[:-1], initial=0)
-            out = torch.cat([self._prefill(q, kc, vc, batch, i, s) for i, s in enumerate(starts)])
+            out = torch.cat([causal_prefill(q, kc, vc, batch, i, s) for i, s in enumerate(starts)])
         return self.o_proj(out.reshape(T, self.nh * self.hd))
 
     def _decode(self, q, kc, vc, batch: ForwardBatch) -> torch.Tensor:
@@ -196,18 +220,6 @@ class Attention(nn.Module):
 
             return decode_attention(q, kc, vc, batch.slots, batch.ctx_lens)
         return gathered_decode(q, kc, vc, batch.slots, batch.ctx_lens, batch.kv_len)
-
-    def _prefill(self, q, kc, vc, batch: ForwardBatch, i: int, start: int) -> torch.Tensor:
-        """Sequence i, whose tokens start at `start` in the batch (they are laid out in order)."""
-        n, ctx, slot = batch.q_lens[i], batch.ctx_lens_list[i], batch.slots_list[i]
-        qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
-        keys = kc[slot, :ctx].transpose(0, 1).unsqueeze(0)
-        vals = vc[slot, :ctx].transpose(0, 1).unsqueeze(0)
-        # Query j sits at absolute position ctx - n + j and sees keys up to that position.
-        qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
-        out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
 
 
 class GatedMLP(nn.Module):
@@ -227,10 +239,13 @@ class DecoderBlock(nn.Module):
     """Pre-norm block. `attend` is everything up to the feed-forward input, so a decode graph can
     stop in front of an expert-parallel feed-forward (whose collective is host-driven)."""
 
-    def __init__(self, cfg, layer: int, rotary: Rotary, bias: bool):
+    def __init__(self, cfg, layer: int, rotary: Rotary, bias: bool, attention: nn.Module | None = None):
+        """`attention`: the family's own (MLA), in place of GQA `Attention`."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias, rotary, layer)
+        self.self_attn = attention or Attention(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias, rotary, layer
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     ffn: nn.Module  # the feed-forward: an EP MoE or a dense MLP
@@ -248,3 +263,17 @@ class DecoderBlock(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         h, n = self.attend(x, batch, kv)
         return h + self.ffn(n)
+
+
+class MlpBlock(DecoderBlock):
+    """A block whose feed-forward is its `mlp`: an expert-parallel MoE, or a dense MLP."""
+
+    mlp: nn.Module
+
+    @property
+    def ffn(self):
+        return self.mlp
+
+    @property
+    def moe(self):
+        return self.mlp if isinstance(self.mlp, SparseMoE) else None
