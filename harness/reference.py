@@ -76,6 +76,54 @@ def _deepseek_v3(arch: str, common: dict):
     return model
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` [rows, cols] as DeepSeek publishes it: e4m3 values and, per [block] tile (the last ones
+    partial), `weight_scale_inv`, the factor that gives the weight back (w ~ fp8 * scale)."""
+    rows, cols = w.shape
+    br, bc = block
+    pad = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc, dtype=torch.float32)
+    pad[:rows, :cols] = w.float()
+    tiles = pad.view(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (tiles / scale[:, None, :, None]).view_as(pad)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+def is_fp8_weight(name: str, t: torch.Tensor) -> bool:
+    """What DeepSeek's FP8 checkpoints quantise: every projection but the embeddings, lm_head
+    and the routers."""
+    return t.dim() == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight"))
+
+
+def fp8_checkpoint(src: Path, fp8_dir: Path, dequantised_dir: Path, block=(16, 16)) -> None:
+    """`src` (one safetensors file) block-quantised to FP8 in `fp8_dir` (config.json with its
+    quantization_config), and the same weights dequantised, in fp32, in `dequantised_dir`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(src / "model.safetensors")
+    fp8, plain = {}, {}
+    for name, t in state.items():
+        if is_fp8_weight(name, t):
+            q, scale = quantize_fp8(t, block)
+            fp8[name], fp8[f"{name}_scale_inv"] = q, scale
+            full = scale.repeat_interleave(block[0], 0)[: t.shape[0]].repeat_interleave(block[1], 1)[:, : t.shape[1]]
+            plain[name] = q.float() * full
+        else:
+            fp8[name], plain[name] = t, t
+    for d, tensors in ((fp8_dir, fp8), (dequantised_dir, plain)):
+        shutil.copytree(src, d)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    (fp8_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}, indent=2))
+
+
 def reference(path: Path, prompts, max_new_tokens: int):
     """Greedy tokens and the logits of every generated position, from transformers."""
     from transformers import AutoModelForCausalLM

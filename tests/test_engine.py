@@ -469,3 +469,25 @@ def test_rows_grouped_by_slot_keep_their_order_within_a_slot():
         real = int((key < slots).sum())
         assert rows[:real].tolist() == torch.argsort(key, stable=True)[:real].tolist()
         assert ends.tolist() == torch.cumsum(torch.bincount(key, minlength=slots + 1)[:slots], 0).tolist()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_fp8_deepseek_checkpoint_equals_transformers_on_its_weights_dequantised(tmp_path, device):
+    """DeepSeek's published FP8 layout (e4m3 weights, a weight_scale_inv per 16x16 block here, the
+    last blocks partial), dequantised at load: the same tokens and logits as transformers run on
+    the dequantised weights in fp32."""
+    from harness.reference import fp8_checkpoint
+
+    src = make_checkpoint("deepseek_v3", tmp_path / "src", seed=2)
+    fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "plain")
+    ref_tokens, _ = reference(tmp_path / "plain", PROMPTS, MAX_NEW)
+    eng = single_rank(tmp_path / "fp8", device)
+    assert eng.ckpt.get("model.layers.1.mlp.experts.3.up_proj.weight", dtype=None).dtype == torch.float32
+    eng.start()
+    try:
+        tokens, _ = generate(eng, PROMPTS, MAX_NEW, ignore_eos=True)
+    finally:
+        eng.stop()
+    assert tokens == ref_tokens
+    # Quantising moved the weights: the float checkpoint's tokens are not these.
+    assert reference(src, PROMPTS, MAX_NEW)[0] != ref_tokens

@@ -215,7 +215,8 @@ class DeepseekMoE(SparseMoE):
             groups = choice.view(T, p.n_group, E // p.n_group)
             best = torch.topk(groups.topk(2, dim=-1)[0].sum(dim=-1), p.topk_group, dim=-1)[1]
             keep = torch.zeros(T, p.n_group, dtype=torch.bool, device=x.device).scatter_(1, best, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(E // p.n_group, dim=1), float("-inf"))
+            keep = keep.unsqueeze(-1).expand(T, p.n_group, E // p.n_group).reshape(T, E)
+            choice = choice.masked_fill(~keep, float("-inf"))
         experts = torch.topk(choice, self.top_k, dim=-1)[1]
         weights = scores.gather(1, experts)
         if self.norm_topk:
