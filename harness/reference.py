@@ -10,12 +10,12 @@ import torch
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [100, 17, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7, 7, 90, 91]]
 
 
-def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0) -> Path:
+def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0, vocab_size: int = 128) -> Path:
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=128,
+        vocab_size=vocab_size,
         hidden_size=32,
         num_hidden_layers=3,
         num_attention_heads=4,

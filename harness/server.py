@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -242,18 +243,33 @@ def tokenizer():
     return _TOKENIZER
 
 
-def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 0, device: str = "cpu") -> list[str]:
-    """Greedy output of the single-rank in-process engine on the built-in model, as text."""
+def engine_reference(
+    prompts: list[list[int]], max_tokens: int, max_len: int = 0, device: str = "cpu", model_dir: Path | None = None
+) -> list[str]:
+    """Greedy output of the single-rank in-process engine on `model_dir` (the built-in model if
+    None), as text."""
     from components.engine.models.builtin import builtin_model_dir
     from harness.reference import generate, single_rank
 
-    eng = single_rank(builtin_model_dir(), device=device, max_len=max_len)
+    eng = single_rank(model_dir or builtin_model_dir(), device=device, max_len=max_len)
     eng.start()
     try:
         tokens, _ = generate(eng, prompts, max_tokens, ignore_eos=True)
     finally:
         eng.stop()
     return [tokenizer().decode(t, skip_special_tokens=True) for t in tokens]
+
+
+def served_checkpoint(arch: str, path: Path) -> Path:
+    """A tiny random checkpoint of `arch` (reference.make_checkpoint) that the graph can serve:
+    the built-in model's tokenizer beside it, and a vocabulary that holds it."""
+    from components.engine.models.builtin import BPE_VOCAB_SIZE, builtin_model_dir
+    from harness.reference import make_checkpoint
+
+    make_checkpoint(arch, path, vocab_size=BPE_VOCAB_SIZE)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(builtin_model_dir() / name, path / name)
+    return path
 
 
 class Traffic:

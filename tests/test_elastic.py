@@ -11,7 +11,7 @@ import pytest
 
 from components.graph.spawn import ROUTE_NOISE
 from components.planner.service import parse_prometheus
-from harness.server import Server, engine_reference, scale
+from harness.server import Server, engine_reference, scale, served_checkpoint
 from harness.server import Traffic as _Traffic
 
 MAX_TOKENS = 24
@@ -201,3 +201,29 @@ def test_leaving_rank_hands_its_requests_over(server, reference):
     bad = [(p, toks, reference[p]) for p, toks, _, _ in traffic.results if toks != reference[p]]
     assert bad == []
     assert {v["replays_diverged"] for v in server.topology()["ranks"]} == {0}
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3"])
+def test_a_family_deployment_scales_2_4_2_under_traffic(arch, tmp_path):
+    """A model family other than the built-in Mixtral layout (MLA's latent KV cache, biased
+    grouped routing, a dense first layer), served and scaled 2 -> 4 -> 2 while clients stream:
+    every completion equals the single-rank engine's."""
+    model = served_checkpoint(arch, tmp_path / f"{arch}-tiny")
+    reference = engine_reference(PROMPTS, MAX_TOKENS, model_dir=model)
+    srv = Server([f"--Worker.model={model}", "--Worker.max_ranks=4", "--Planner.enabled=false"], model=model.name)
+    ops = []
+    try:
+        with Traffic(srv) as traffic:
+            for n in (4, 2):
+                time.sleep(1.0)
+                ops.append(scale(srv, n))
+                assert ops[-1]["phase"] == "done", ops[-1]
+                assert srv.topology()["active"] == list(range(n))
+            time.sleep(1.0)
+    finally:
+        srv.stop()
+    assert traffic.errors == [] and len(traffic.results) > 10
+    for p, toks, _, _ in traffic.results:
+        assert toks == reference[p], f"prompt {p}"
+    for op in ops:  # streams were running across each commit
+        assert any(t0 < op["committed_at"] < t1 for _, _, t0, t1 in traffic.results), op

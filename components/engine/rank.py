@@ -204,7 +204,8 @@ class EngineRank:
         row = mc.hidden_size * self.dtype.itemsize + 4
         capacity = max(64, cfg.max_batched_tokens * mc.top_k * row)
         self.comm = comm or ep_communicator(cfg, self.device, mc, self.dtype, capacity)
-        self.expert_map = ExpertMap(mc.num_layers, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
+        rows = sum(mc.sparse_layers)  # a placement's rows: one per MoE layer (SparseMoE.row)
+        self.expert_map = ExpertMap(rows, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
         self.model = build_model(mc, ExpertParallel(self.comm, self.expert_map), self.max_len, self.dtype, self.device)
         if load_weights:  # a joiner leaves them empty and pulls them from peers instead
             self.model.load_dense(self.ckpt)
@@ -349,10 +350,10 @@ class EngineRank:
         """Everything a peer may pull from this rank: the parameters, and each expert slot by name
         (a slot's logical expert changes with the map; its name does not)."""
         tensors = dict(self.model.named_parameters())
-        for layer, moe in self.model.moe_layers:
+        for _, moe in self.model.moe_layers:
             for slot in range(self.slots_per_rank):
                 for part, buf in (("gate", moe.w_gate), ("up", moe.w_up), ("down", moe.w_down)):
-                    tensors[expert_slot_name(layer, slot, part)] = buf[slot]
+                    tensors[expert_slot_name(moe.row, slot, part)] = buf[slot]
         return tensors
 
     @property
@@ -360,8 +361,8 @@ class EngineRank:
         return self._expert_rows
 
     def default_placement(self, active) -> Placement:
-        mc = self.model_config
-        return balanced_placement(mc.num_layers, mc.num_experts, self.cfg.max_ranks, self.slots_per_rank, active)
+        rows, experts = self.expert_map.num_layers, self.model_config.num_experts
+        return balanced_placement(rows, experts, self.cfg.max_ranks, self.slots_per_rank, active)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"rank{self.cfg.rank}", daemon=True)

@@ -137,6 +137,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         H, I, S = cfg.hidden_size, cfg.moe_intermediate_size, ep.slots_per_rank
         self.layer, self.top_k, self.norm_topk = layer, cfg.top_k, cfg.norm_topk_prob
+        # Its row of the expert map and of placements: the MoE layers in order, dense ones left
+        # out (the router's placements have a row per MoE layer, RankStatus.num_moe_layers).
+        self.row = sum(cfg.sparse_layers[:layer])
         self.hidden, self.ep = H, ep
         self.gate = nn.Linear(H, cfg.num_experts, bias=False)
         self.register_buffer("w_gate", torch.zeros(S, I, H), persistent=False)
@@ -204,7 +207,7 @@ class SparseMoE(nn.Module):
             # The peer-window exchange's count of misrouted pairs comes with the counts.
             misrouted = (ep.misrouted, ep.strict) if ep.windows is not None else None
             weights, order, local, counts, position = route_and_sort(
-                self.gate(x), valid, m.replica_slots[self.layer], m.num_replicas[self.layer], ep.mask,
+                self.gate(x), valid, m.replica_slots[self.row], m.num_replicas[self.row], ep.mask,
                 self.load, self.top_k, self.norm_topk, ep.slots_per_rank, x.dtype, misrouted,
             )  # fmt: skip
             return Dispatch(weights, order, gather_rows(x, order, self.top_k), local, counts, position)
@@ -220,7 +223,7 @@ class SparseMoE(nn.Module):
             else torch.ones(T * k, dtype=torch.bool, device=x.device)
         )
         self.load.index_add_(0, experts.flatten(), pair_valid.to(torch.int64))
-        slots = self.ep.map.route(self.layer, experts).flatten()
+        slots = self.ep.map.route(self.row, experts).flatten()
         dest = slots // S
         key = torch.where(self.ep.mask[dest], dest, R)
         key = torch.where(pair_valid, key, R + 1)

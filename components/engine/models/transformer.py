@@ -64,8 +64,8 @@ class MoETransformer(nn.Module):
         tensor_names = family(self.cfg).expert_tensors
         with torch.no_grad():
             for layer, moe in self.moe_layers:
-                before = since.experts_on(rank, layer) if since else None
-                for slot, expert in enumerate(placement.experts_on(rank, layer)):
+                before = since.experts_on(rank, moe.row) if since else None
+                for slot, expert in enumerate(placement.experts_on(rank, moe.row)):
                     if expert >= 0 and (before is None or before[slot] != expert):
                         names = tensor_names(self.cfg, layer, expert)
                         moe.load_slot(slot, *(ckpt.get(n, dtype=moe.w_gate.dtype) for n in names))
