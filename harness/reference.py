@@ -84,7 +84,7 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor,
     partial), `weight_scale_inv`, the factor that gives the weight back (w ~ fp8 * scale)."""
     rows, cols = w.shape
     br, bc = block
-    pad = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc, dtype=torch.float32)
+    pad = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc, dtype=torch.float32, device=w.device)
     pad[:rows, :cols] = w.float()
     tiles = pad.view(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
