@@ -2,8 +2,8 @@
 hidden size (7168), MLA dims (128 heads, q LoRA 1536, KV latent 512 + 64 rotary, 128 + 64 query
 and 128 value head dims), expert shapes (2048 intermediate, top 8 of 8 groups' best 4) and dense
 first layer (18432 intermediate), yarn as published, with fewer layers and experts so that it fits
-one H200: the default, 1 dense and 3 MoE layers of 32 experts and a shared one, is 11.6 GB in
-bf16. `--fp8` writes it as DeepSeek publishes FP8 (e4m3 weights, a weight_scale_inv per 128x128
+one H200: the default, 1 dense and 3 MoE layers of 32 experts and a shared one, is 11.0 GB in
+bf16 (5.5 GB in FP8). `--fp8` writes it as DeepSeek publishes FP8 (e4m3 weights, a weight_scale_inv per 128x128
 block, quantization_config); the engine dequantises it at load. `--small` writes the same layout
 at a size a CPU steps (hidden 256), for `bench.step --model DIR` without a GPU.
 

@@ -44,9 +44,9 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0, v
 
 
 def _deepseek_v3(arch: str, common: dict):
-    """ "deepseek_v3": q LoRA, yarn, interleaved rope, grouped routing; "deepseek_v3_q_proj": no
-    q LoRA, default rope, one group. Both with a dense first layer, shared experts and a nonzero
-    selection bias (which changes the choice, not the weights)."""
+    """The "deepseek_v3" test model: q LoRA, attention bias, yarn, interleaved rope, grouped
+    routing; "deepseek_v3_q_proj": no q LoRA, default rope, one group. Both with a dense first
+    layer, shared experts and a nonzero selection bias (which changes the choice, not the weights)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     lora = arch == "deepseek_v3"
@@ -66,11 +66,15 @@ def _deepseek_v3(arch: str, common: dict):
         topk_group=2 if lora else 1,
         first_k_dense_replace=1,
         routed_scaling_factor=2.5,
+        attention_bias=lora,
         rope_interleave=lora,
         rope_parameters={"rope_theta": 10000.0, **({**yarn, "mscale_all_dim": 1.0} if lora else {})},
     )
     model = DeepseekV3ForCausalLM(cfg)
     with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):  # transformers starts them at zero
+                p.normal_(0, 0.1)
         for layer in model.model.layers[cfg.first_k_dense_replace :]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     return model

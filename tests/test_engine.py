@@ -69,15 +69,21 @@ def test_single_rank_matches_transformers(model, device, invariant):
 
 
 @pytest.mark.gpu
-def test_bf16_greedy_does_not_change_with_the_load(tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_bf16_greedy_does_not_change_with_the_load(tmp_path, arch):
     """Each of 32 prompts alone, then all at once through 16 sequence slots (so they start and
     end at different steps beside different neighbours): the same tokens, bit for bit in bf16.
-    A Mixtral-shaped model wide enough for bf16 rounding to flip greedy choices: under mixed
+    A model wide enough for bf16 rounding to flip greedy choices: Mixtral-shaped (under mixed
     steps 1 of these 32 completions changed with the load on an H200, and 23 of 32 for the
-    5.4 GiB model of bench.mixtral_like."""
-    from bench.mixtral_like import write
+    5.4 GiB model of bench.mixtral_like), or DeepSeek-shaped (MLA, grouped biased routing, a
+    dense first layer) at hidden 1024."""
+    from bench import deepseek_like, mixtral_like
 
-    path = write(tmp_path / "m", 2, 1024, 3584, 8, 8, 2)
+    if arch == "mixtral":
+        path = mixtral_like.write(tmp_path / "m", 2, 1024, 3584, 8, 8, 2)
+    else:
+        dims = dict(hidden=1024, heads=16, q_lora=384, kv_lora=256, nope=64, rope=32, v=64, moe=512, dense=2048)
+        path = deepseek_like.write(tmp_path / "m", 3, 1, 16, {**dims, "groups": 4})
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 500, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (32,), generator=g)]
     eng = single_rank(path, "cuda", dtype="bfloat16", max_seqs=16, max_len=512)

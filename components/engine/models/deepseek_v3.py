@@ -21,6 +21,7 @@ The MTP layer (num_nextn_predict_layers, tensors of layer index num_hidden_layer
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import Any
@@ -39,16 +40,7 @@ from components.engine.models.hf_layout import (
     swiglu_names,
     swiglu_shapes,
 )
-from components.engine.models.layers import (
-    ForwardBatch,
-    GatedMLP,
-    KVCache,
-    MlpBlock,
-    RMSNorm,
-    Rotary,
-    causal_prefill,
-    gathered_decode,
-)
+from components.engine.models.layers import ForwardBatch, GatedMLP, KVCache, MlpBlock, RMSNorm, Rotary
 from components.engine.models.moe import SparseMoE
 
 log = logging.getLogger(__name__)
@@ -135,6 +127,30 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
+def latent_decode(query: torch.Tensor, cache: torch.Tensor, lora: int, batch: ForwardBatch, scale: float):
+    """Decode attention of query [B, nh, lora + rope] over each row's first kv_len cache rows,
+    masked past its context: a row's heads are the queries of its one latent KV head, so no head
+    copies the keys (they are copied out once a row, fixed shapes, so a graph captures it; the
+    cost is kv_len rows a sequence, whatever its context). Returns [B, nh, lora]."""
+    rows = cache[batch.slots, : batch.kv_len, 0]  # [B, kv_len, lora + rope]
+    mask = (torch.arange(batch.kv_len, device=query.device) < batch.ctx_lens.unsqueeze(1)).unsqueeze(1)
+    return F.scaled_dot_product_attention(query, rows, rows[..., :lora], attn_mask=mask, scale=scale)
+
+
+def latent_prefill(query, cache, lora: int, batch: ForwardBatch, i: int, start: int, scale: float) -> torch.Tensor:
+    """Sequence i of `batch` (its tokens start at `start`), causally over its cache slot: its
+    (token, head) pairs as the queries of the one latent KV head. Returns [n, nh, lora]."""
+    n, ctx, slot = batch.q_lens[i], batch.ctx_lens_list[i], batch.slots_list[i]
+    _, nh, dim = query.shape
+    rows = cache[slot, :ctx, 0].unsqueeze(0)  # [1, ctx, lora + rope]
+    # Token j sits at absolute position ctx - n + j and sees keys up to that position.
+    qpos = torch.arange(ctx - n, ctx, device=query.device).unsqueeze(1).expand(n, nh).reshape(n * nh, 1)
+    mask = (torch.arange(ctx, device=query.device).unsqueeze(0) <= qpos).unsqueeze(0)
+    q = query[start : start + n].reshape(1, n * nh, dim)
+    out = F.scaled_dot_product_attention(q, rows, rows[..., :lora], attn_mask=mask, scale=scale)
+    return out.view(n, nh, lora)
+
+
 class LatentAttention(nn.Module):
     """MLA over a latent KV cache (module docstring); names as the checkpoint's `self_attn`."""
 
@@ -172,26 +188,30 @@ class LatentAttention(nn.Module):
         # q_nope through each head's key up-projection: a query in latent space [T, nh, lora].
         q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)
         query = torch.cat((q_latent, q_rope), dim=-1)
-        values = cache[..., :lora]
         if batch.decode_only:
-            out = gathered_decode(query, cache, values, batch.slots, batch.ctx_lens, batch.kv_len, p.softmax_scale)
+            out = latent_decode(query, cache, lora, batch, p.softmax_scale)
         else:
-            starts = [sum(batch.q_lens[:i]) for i in range(len(batch.q_lens))]
-            out = torch.cat(
-                [causal_prefill(query, cache, values, batch, i, s, p.softmax_scale) for i, s in enumerate(starts)]
-            )
+            starts = itertools.accumulate(batch.q_lens[:-1], initial=0)
+            scale = p.softmax_scale
+            out = torch.cat([latent_prefill(query, cache, lora, batch, i, s, scale) for i, s in enumerate(starts)])
         # Each head's latent output through its value up-projection: [T, nh, v_head_dim].
         out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.reshape(T, nh * p.v_head_dim))
 
 
 class Router(nn.Module):
-    """The router's weight and, where the checkpoint has it, the selection bias (`gate`)."""
+    """The router's weight and its selection bias (`gate`), in fp32 whatever the model's dtype,
+    as transformers keeps them (_keep_in_fp32_modules_strict): in bf16, biased scores a bf16 step
+    apart (2^-8 near 1) would choose other experts."""
 
     def __init__(self, hidden: int, experts: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(experts, hidden))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(experts))
+        self.weight = nn.Parameter(torch.zeros(experts, hidden, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) of the whole model reaches here: moves apply, the dtype does not.
+        return super()._apply(lambda t: fn(t).float(), recurse)
 
 
 class DeepseekMoE(SparseMoE):
@@ -209,8 +229,8 @@ class DeepseekMoE(SparseMoE):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p, T, E = self.p, x.shape[0], self.gate.weight.shape[0]
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
-        choice = scores + self.gate.e_score_correction_bias.float()
+        scores = F.linear(x.float(), self.gate.weight).sigmoid()
+        choice = scores + self.gate.e_score_correction_bias
         if p.n_group > 1:
             groups = choice.view(T, p.n_group, E // p.n_group)
             best = torch.topk(groups.topk(2, dim=-1)[0].sum(dim=-1), p.topk_group, dim=-1)[1]

@@ -154,32 +154,15 @@ class Rotary(nn.Module):
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def gathered_decode(
-    q, kc, vc, slots: torch.Tensor, ctx_lens: torch.Tensor, kv_len: int, scale: float | None = None
-) -> torch.Tensor:
+def gathered_decode(q, kc, vc, slots: torch.Tensor, ctx_lens: torch.Tensor, kv_len: int) -> torch.Tensor:
     """Decode attention of q [B, nh, hd] over the first kv_len positions of each row's cache slot,
     copied out, with a length mask: fixed shapes, so a graph can capture it, but every row copies
-    kv_len positions whatever its context (the CUDA path reads in place: decode_attention.py).
-    `scale`: the softmax scale, 1/sqrt(hd) if None."""
+    kv_len positions whatever its context (the CUDA path reads in place: decode_attention.py)."""
     keys = kc[slots, :kv_len].transpose(1, 2)
     vals = vc[slots, :kv_len].transpose(1, 2)
     mask = (torch.arange(kv_len, device=q.device) < ctx_lens.unsqueeze(1))[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, enable_gqa=True)
     return out.squeeze(2)
-
-
-def causal_prefill(q, kc, vc, batch: ForwardBatch, i: int, start: int, scale: float | None = None) -> torch.Tensor:
-    """Sequence i of `batch`, whose tokens start at `start` in it (they are laid out in order),
-    over its cache slot, causally; `scale` as gathered_decode's."""
-    n, ctx, slot = batch.q_lens[i], batch.ctx_lens_list[i], batch.slots_list[i]
-    qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
-    keys = kc[slot, :ctx].transpose(0, 1).unsqueeze(0)
-    vals = vc[slot, :ctx].transpose(0, 1).unsqueeze(0)
-    # Query j sits at absolute position ctx - n + j and sees keys up to that position.
-    qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-    mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
-    out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)
-    return out.squeeze(0).transpose(0, 1)
 
 
 class Attention(nn.Module):
@@ -211,7 +194,7 @@ class Attention(nn.Module):
             out = self._decode(q, kc, vc, batch)
         else:
             starts = itertools.accumulate(batch.q_lens[:-1], initial=0)
-            out = torch.cat([causal_prefill(q, kc, vc, batch, i, s) for i, s in enumerate(starts)])
+            out = torch.cat([self._prefill(q, kc, vc, batch, i, s) for i, s in enumerate(starts)])
         return self.o_proj(out.reshape(T, self.nh * self.hd))
 
     def _decode(self, q, kc, vc, batch: ForwardBatch) -> torch.Tensor:
@@ -220,6 +203,18 @@ class Attention(nn.Module):
 
             return decode_attention(q, kc, vc, batch.slots, batch.ctx_lens)
         return gathered_decode(q, kc, vc, batch.slots, batch.ctx_lens, batch.kv_len)
+
+    def _prefill(self, q, kc, vc, batch: ForwardBatch, i: int, start: int) -> torch.Tensor:
+        """Sequence i, whose tokens start at `start` in the batch (they are laid out in order)."""
+        n, ctx, slot = batch.q_lens[i], batch.ctx_lens_list[i], batch.slots_list[i]
+        qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
+        keys = kc[slot, :ctx].transpose(0, 1).unsqueeze(0)
+        vals = vc[slot, :ctx].transpose(0, 1).unsqueeze(0)
+        # Query j sits at absolute position ctx - n + j and sees keys up to that position.
+        qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
+        out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
 
 
 class GatedMLP(nn.Module):
