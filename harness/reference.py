@@ -74,7 +74,7 @@ def _deepseek_v3(arch: str, common: dict):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("_proj.bias"):  # transformers starts them at zero
-                p.normal_(0, 0.1)
+                p.normal_(0, 0.02)
         for layer in model.model.layers[cfg.first_k_dense_replace :]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     return model
