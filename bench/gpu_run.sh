@@ -11,6 +11,9 @@
 # decode:   bench.decode on that model, batch 32 and 64 per rank: 1 rank, and with two GPUs 2 ranks
 #           one per GPU, then 4 ranks two per GPU under MPS.
 # step:     bench.step on that model (one rank's step by phase, its graph alone, the floor).
+# deepseek: bench.step on bench.deepseek_like's DeepSeek-V3-shaped model (11.0 GB bf16, then its
+#           5.5 GB FP8 form dequantised at load), batch 1, 32, 64, a 4096-token cache (MLA's decode
+#           copies each row's cache rows out: a longer one costs that much more a step).
 # attention: bench.attention (one layer's decode attention, gather + SDPA against the Triton kernel).
 # join:     bench.join on that model: a cold joiner against one restored from a CUDA snapshot, by
 #           phase and step (needs CRIU: ELASTIC_EP_CRIU), and what fills the image.
@@ -64,6 +67,12 @@ for step in "$@"; do
     step)
         [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
         $PY -m bench.step --model /tmp/mxl --out "$OUT/step_h200.json" || rc=1 ;;
+    deepseek)
+        [ -d /tmp/dsv3 ] || $PY -m bench.deepseek_like /tmp/dsv3 || rc=1
+        $PY -m bench.step --model /tmp/dsv3 --batch 1,32,64 --max-len 4096 --out "$OUT/step_h200_deepseek.json" || rc=1
+        [ -d /tmp/dsv3fp8 ] || $PY -m bench.deepseek_like /tmp/dsv3fp8 --fp8 || rc=1
+        $PY -m bench.step --model /tmp/dsv3fp8 --dtype bfloat16 --batch 1,32,64 --max-len 4096 \
+            --out "$OUT/step_h200_deepseek_fp8.json" || rc=1 ;;
     attention)
         $PY -m bench.attention --out "$OUT/attention_h200.json" || rc=1 ;;
     join)
@@ -72,7 +81,7 @@ for step in "$@"; do
             --out "$OUT/join_cuda_h200_mxl.json" || rc=1 ;;
     restore)
         $PY -m bench.criu_restore --out "$OUT/criu_restore_h200.json" || rc=1 ;;
-    *) echo "unknown step $step (tests, pull, scale, handover, decode, step, attention, join, restore)"; exit 2 ;;
+    *) echo "unknown step $step (tests, pull, scale, handover, decode, step, deepseek, attention, join, restore)"; exit 2 ;;
     esac
 done
 exit $rc

@@ -28,7 +28,9 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0, t
         num_experts_per_tok=2,
         max_position_embeddings=512,
     )
-    if arch == "mixtral":
+    if arch.startswith("deepseek_v3"):
+        model = _deepseek_v3(arch, common)
+    elif arch == "mixtral":
         model = tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=48, num_local_experts=8, **common))
     elif arch in ("qwen2_moe", "qwen3_moe"):
         qwen = dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8, mlp_only_layers=[1], **common)
@@ -49,6 +51,91 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0, t
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(builtin_model_dir() / name, path / name)
     return path
+
+
+def _deepseek_v3(arch: str, common: dict):
+    """The "deepseek_v3" test model: q LoRA, attention bias, yarn, interleaved rope, grouped
+    routing; "deepseek_v3_q_proj": no q LoRA, default rope, one group. Both with a dense first
+    layer, shared experts and a nonzero selection bias (which changes the choice, not the weights)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    lora = arch == "deepseek_v3"
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0}
+    cfg = DeepseekV3Config(
+        **{**common, "num_key_value_heads": common["num_attention_heads"]},
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=24 if lora else None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        n_group=4 if lora else 1,
+        topk_group=2 if lora else 1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        attention_bias=lora,
+        rope_interleave=lora,
+        rope_parameters={"rope_theta": 10000.0, **({**yarn, "mscale_all_dim": 1.0} if lora else {})},
+    )
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):  # transformers starts them at zero
+                p.normal_(0, 0.02)
+        for layer in model.model.layers[cfg.first_k_dense_replace :]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    return model
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` [rows, cols] as DeepSeek publishes it: e4m3 values and, per [block] tile (the last ones
+    partial), `weight_scale_inv`, the factor that gives the weight back (w ~ fp8 * scale)."""
+    rows, cols = w.shape
+    br, bc = block
+    pad = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc, dtype=torch.float32, device=w.device)
+    pad[:rows, :cols] = w.float()
+    tiles = pad.view(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (tiles / scale[:, None, :, None]).view_as(pad)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+def is_fp8_weight(name: str, t: torch.Tensor) -> bool:
+    """What DeepSeek's FP8 checkpoints quantise: every projection but the embeddings, lm_head
+    and the routers."""
+    return t.dim() == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight"))
+
+
+def fp8_checkpoint(src: Path, fp8_dir: Path, dequantised_dir: Path, block=(16, 16)) -> None:
+    """`src` (one safetensors file) block-quantised to FP8 in `fp8_dir` (config.json with its
+    quantization_config), and the same weights dequantised, in fp32, in `dequantised_dir`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(src / "model.safetensors")
+    fp8, plain = {}, {}
+    for name, t in state.items():
+        if is_fp8_weight(name, t):
+            q, scale = quantize_fp8(t, block)
+            fp8[name], fp8[f"{name}_scale_inv"] = q, scale
+            full = scale.repeat_interleave(block[0], 0)[: t.shape[0]].repeat_interleave(block[1], 1)[:, : t.shape[1]]
+            plain[name] = q.float() * full
+        else:
+            fp8[name], plain[name] = t, t
+    for d, tensors in ((fp8_dir, fp8), (dequantised_dir, plain)):
+        shutil.copytree(src, d)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    (fp8_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}, indent=2))
 
 
 def reference(path: Path, prompts, max_new_tokens: int):

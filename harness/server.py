@@ -246,12 +246,15 @@ def tokenizer():
     return _TOKENIZER
 
 
-def engine_reference(prompts: list[list[int]], max_tokens: int, max_len: int = 0, device: str = "cpu") -> list[str]:
-    """Greedy output of the single-rank in-process engine on the built-in model, as text."""
+def engine_reference(
+    prompts: list[list[int]], max_tokens: int, max_len: int = 0, device: str = "cpu", model_dir: Path | None = None
+) -> list[str]:
+    """Greedy output of the single-rank in-process engine on `model_dir` (the built-in model if
+    None), as text."""
     from components.engine.models.builtin import builtin_model_dir
     from harness.reference import generate, single_rank
 
-    eng = single_rank(builtin_model_dir(), device=device, max_len=max_len)
+    eng = single_rank(model_dir or builtin_model_dir(), device=device, max_len=max_len)
     eng.start()
     try:
         tokens, _ = generate(eng, prompts, max_tokens, ignore_eos=True)

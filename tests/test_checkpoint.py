@@ -1,4 +1,5 @@
 import json
+import math
 import shutil
 
 import pytest
@@ -248,7 +249,8 @@ def test_unknown_architecture(bad):
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
     assert _err(bad) == (
         f"{bad}/config.json: unknown architecture 'LlamaForCausalLM' "
-        "(supported: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM)"
+        "(supported: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
+        "DeepseekV3ForCausalLM)"
     )
 
 
@@ -290,3 +292,158 @@ def test_index_missing_shard(tmp_path, mixtral):
     Checkpoint.open(tmp_path)
     (tmp_path / shards[-1]).unlink()
     assert _err(tmp_path) == f"{index}: refers to missing file {shards[-1]}"
+
+
+# DeepSeek-V3's config.json as published (its auto_map and training-only fields left out).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+# Kimi-K2 and Moonlight: the same architecture, one expert group; Moonlight without q LoRA or yarn.
+KIMI_K2 = {
+    **DEEPSEEK_V3,
+    "n_routed_experts": 384,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.827,
+    "rope_theta": 50000.0,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "factor": 32.0},
+    "vocab_size": 163840,
+}
+MOONLIGHT = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k not in ("quantization_config", "rope_scaling")},
+    "hidden_size": 2048,
+    "intermediate_size": 11264,
+    "moe_intermediate_size": 1408,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_hidden_layers": 27,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": None,
+    "routed_scaling_factor": 2.446,
+    "rope_theta": 50000.0,
+    "max_position_embeddings": 8192,
+    "vocab_size": 163840,
+}
+
+
+def test_deepseek_v3_kimi_k2_and_moonlight_configs_are_read_as_published():
+    c = config_from_dict(DEEPSEEK_V3)
+    p = c.params
+    assert (c.num_experts, c.top_k, p.n_group, p.topk_group, p.q_lora_rank) == (256, 8, 8, 4, 1536)
+    assert c.sparse_layers == (False,) * 3 + (True,) * 58 and c.weight_block == (128, 128)
+    assert c.shared_expert_intermediate_size == 2048 and p.rope_interleave and p.yarn.factor == 40
+    # yarn's mscale (0.1 ln 40 + 1) squared on the softmax scale; its attention factor is 1.
+    assert p.softmax_scale == pytest.approx(192**-0.5 * (0.1 * math.log(40) + 1) ** 2)
+    assert p.yarn.attention_factor == 1.0
+    # The KV cache: one latent row of 512 + 64 a token and layer, against 128 heads of
+    # 192-dim keys and 128-dim values expanded: 1152 B against 81920 B a layer in bf16 (71x).
+    layout = family(c).kv_layout(c)
+    assert layout.bytes_per_token(61, 2) == 61 * 1152 == 70272
+    assert 61 * 128 * (192 + 128) * 2 == 4997120
+    k2, moon = config_from_dict(KIMI_K2), config_from_dict(MOONLIGHT)
+    assert (k2.num_experts, k2.params.n_group, k2.params.routed_scaling_factor) == (384, 1, 2.827)
+    assert moon.params.q_lora_rank == 0 and moon.params.yarn is None and moon.weight_block is None
+    assert moon.shared_expert_intermediate_size == 2 * 1408
+    assert "model.layers.0.self_attn.q_proj.weight" in expected_tensors(moon)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"hidden_act": "gelu"}, "unsupported hidden_act='gelu'"),
+        ({"scoring_func": "softmax"}, "unsupported scoring_func='softmax'"),
+        ({"topk_method": "group_limited_greedy"}, "unsupported topk_method='group_limited_greedy'"),
+        ({"moe_layer_freq": 2}, "unsupported moe_layer_freq=2"),
+        ({"num_key_value_heads": 8}, "unsupported num_key_value_heads=8"),
+        ({"n_group": 3}, "unsupported n_group=3"),
+        ({"partial_rotary_factor": 0.5}, "unsupported partial_rotary_factor=0.5"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "unsupported rope_type 'dynamic'"),
+        ({"quantization_config": {"quant_method": "awq"}}, "unsupported quantization_config (quant_method='awq'"),
+        (
+            {"quantization_config": {**DEEPSEEK_V3["quantization_config"], "activation_scheme": "static"}},
+            "unsupported quantization_config.activation_scheme 'static'",
+        ),
+    ],
+)
+def test_a_deepseek_field_this_engine_does_not_implement_is_refused_naming_it(change, message):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({**DEEPSEEK_V3, **change})
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_an_fp8_weight_without_its_scale_or_quantization_config_is_refused(tmp_path):
+    from harness.reference import make_checkpoint
+
+    d = make_checkpoint("deepseek_v3", tmp_path / "ds")
+    sd = load_file(d / "model.safetensors")
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    sd[name] = sd[name].to(torch.float8_e4m3fn)
+    save_file(sd, d / "model.safetensors")
+    with Checkpoint.open(d) as ckpt:
+        with pytest.raises(
+            CheckpointError, match=f"tensor {name} is float8_e4m3fn but config.json has no quantization_config"
+        ):
+            ckpt.get(name)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": DEEPSEEK_V3["quantization_config"]}))
+    with Checkpoint.open(d) as ckpt:
+        with pytest.raises(CheckpointError, match=f"{name}_scale_inv is missing"):
+            ckpt.get(name)

@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch
 
+from components.engine.models.checkpoint import Checkpoint
 from components.engine.request import GenerateRequest, RequestError
 from harness.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 
 MAX_NEW = 10
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v3_q_proj"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -69,15 +70,21 @@ def test_single_rank_matches_transformers(model, device, invariant):
 
 
 @pytest.mark.gpu
-def test_bf16_greedy_does_not_change_with_the_load(tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_bf16_greedy_does_not_change_with_the_load(tmp_path, arch):
     """Each of 32 prompts alone, then all at once through 16 sequence slots (so they start and
     end at different steps beside different neighbours): the same tokens, bit for bit in bf16.
-    A Mixtral-shaped model wide enough for bf16 rounding to flip greedy choices: under mixed
+    A model wide enough for bf16 rounding to flip greedy choices: Mixtral-shaped (under mixed
     steps 1 of these 32 completions changed with the load on an H200, and 23 of 32 for the
-    5.4 GiB model of bench.mixtral_like."""
-    from bench.mixtral_like import write
+    5.4 GiB model of bench.mixtral_like), or DeepSeek-shaped (MLA, grouped biased routing, a
+    dense first layer) at hidden 1024."""
+    from bench import deepseek_like, mixtral_like
 
-    path = write(tmp_path / "m", 2, 1024, 3584, 8, 8, 2)
+    if arch == "mixtral":
+        path = mixtral_like.write(tmp_path / "m", 2, 1024, 3584, 8, 8, 2)
+    else:
+        dims = dict(hidden=1024, heads=16, q_lora=384, kv_lora=256, nope=64, rope=32, v=64, moe=512, dense=2048)
+        path = deepseek_like.write(tmp_path / "m", 3, 1, 16, {**dims, "groups": 4})
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 500, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (32,), generator=g)]
     eng = single_rank(path, "cuda", dtype="bfloat16", max_seqs=16, max_len=512)
@@ -496,3 +503,27 @@ def test_rows_grouped_by_slot_keep_their_order_within_a_slot():
         real = int((key < slots).sum())
         assert rows[:real].tolist() == torch.argsort(key, stable=True)[:real].tolist()
         assert ends.tolist() == torch.cumsum(torch.bincount(key, minlength=slots + 1)[:slots], 0).tolist()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_fp8_deepseek_checkpoint_equals_transformers_on_its_weights_dequantised(tmp_path, device):
+    """DeepSeek's published FP8 layout (e4m3 weights, a weight_scale_inv per 16x16 block here, the
+    last blocks partial), dequantised at load: the same tokens and logits as transformers run on
+    the dequantised weights in fp32."""
+    from harness.reference import fp8_checkpoint
+
+    src = make_checkpoint("deepseek_v3", tmp_path / "src", seed=2)
+    fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "plain")
+    ref_tokens, _ = reference(tmp_path / "plain", PROMPTS, MAX_NEW)
+    eng = single_rank(tmp_path / "fp8", device)
+    # Served dequantised, in fp32; quantising moved the weights, so this is not the float model.
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    with Checkpoint.open(src) as float_model:
+        dequantised = eng.ckpt.get(name, dtype=None)
+        assert dequantised.dtype == torch.float32 and not torch.equal(dequantised, float_model.get(name))
+    eng.start()
+    try:
+        tokens, _ = generate(eng, PROMPTS, MAX_NEW, ignore_eos=True)
+    finally:
+        eng.stop()
+    assert tokens == ref_tokens

@@ -114,7 +114,31 @@ class Checkpoint:
 
     def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
         t = self._handle(name).get_tensor(name)
+        if t.dtype == torch.float8_e4m3fn:  # on the device it goes to: a GPU converts fp8 far faster
+            t = self._dequantised(name, t.to(device))
         return t.to(device=device, dtype=dtype) if dtype is not None or str(device) != "cpu" else t
+
+    def _dequantised(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """An FP8 weight as fp32: each [rows, cols] block (config.weight_block) times its
+        `weight_scale_inv` entry, as DeepSeek's published checkpoints store them. The engine
+        serves the dequantised weights (their own dtype's bytes in memory and in weight pulls)."""
+        block, scale_name = self.config.weight_block, f"{name}_scale_inv"
+        if block is None or scale_name not in self._locations:
+            raise CheckpointError(
+                f"{self._locations[name]}: tensor {name} is float8_e4m3fn but "
+                + ("config.json has no quantization_config" if block is None else f"{scale_name} is missing")
+            )
+        scale = self._handle(scale_name).get_tensor(scale_name).to(device=w.device, dtype=torch.float32)
+        rows, cols = w.shape
+        want = (-(-rows // block[0]), -(-cols // block[1]))
+        if tuple(scale.shape) != want:
+            where = self._locations[scale_name]
+            raise CheckpointError(f"{where}: tensor {scale_name} has shape {_fmt(scale.shape)}, expected {_fmt(want)}")
+        (br, bc), (nr, nc) = block, want
+        # Each block times its scale as a broadcast over a [nr, br, nc, bc] view (no scale
+        # expanded to the weight's size); partial last blocks padded, then cut off.
+        x = torch.nn.functional.pad(w.float(), (0, nc * bc - cols, 0, nr * br - rows))
+        return (x.view(nr, br, nc, bc) * scale[:, None, :, None]).view(nr * br, nc * bc)[:rows, :cols]
 
     def close(self) -> None:
         with self._lock:

@@ -50,6 +50,11 @@ class ModelConfig(msgspec.Struct, frozen=True):
     bos_token_id: int | None
     dtype: str
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after their projections (OLMoE)
+    # FP8 checkpoints (quantization_config): the [rows, cols] block of each weight's scale.
+    weight_block: tuple[int, int] | None = None
+    # What only the family's own file reads: a frozen msgspec Struct it defines (MLA's dims, its
+    # routing), None for families that need nothing beyond the fields above.
+    params: Any = None
 
     @property
     def num_moe_layers(self) -> int:
@@ -81,14 +86,39 @@ def read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-def common_fields(c: dict[str, Any]) -> dict[str, Any]:
-    """The ModelConfig fields every family reads the same way (default RoPE only)."""
+def rope_parameters(c: dict[str, Any]) -> dict[str, Any]:
+    """RoPE's settings, as config.json spells them either way (`rope_parameters`, or the older
+    `rope_scaling` beside a top-level `rope_theta`), with `rope_type` always set."""
+    scaling, rope = c.get("rope_scaling") or {}, c.get("rope_parameters") or {}
+    kinds = [p.get("rope_type", p.get("type")) for p in (rope, scaling)]
+    return {**scaling, **rope, "rope_type": next((k for k in kinds if k not in (None, "default")), "default")}
+
+
+def quantization_block(c: dict[str, Any]) -> tuple[int, int] | None:
+    """The weight block of an FP8 block-quantised checkpoint (DeepSeek's published layout: e4m3
+    weights, a `weight_scale_inv` per block), None for an unquantised one; any other scheme is
+    refused naming it."""
+    q = c.get("quantization_config")
+    if not q:
+        return None
+    method, fmt, block = q.get("quant_method"), q.get("fmt", "e4m3"), q.get("weight_block_size")
+    if method != "fp8" or fmt != "e4m3" or not block or len(block) != 2:
+        raise ConfigError(
+            f"unsupported quantization_config (quant_method={method!r}, fmt={fmt!r}, weight_block_size={block!r}): "
+            "only fp8 e4m3 with a 2-d weight_block_size"
+        )
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError(f"unsupported quantization_config.activation_scheme {q['activation_scheme']!r}")
+    return int(block[0]), int(block[1])
+
+
+def common_fields(c: dict[str, Any], rope_types: tuple[str, ...] = ("default",)) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way; RoPE of `rope_types` only (a
+    family that takes another reads its settings itself: rope_parameters)."""
     rope = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {}
-    for params in (rope, scaling):
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in ("default", None):
-            raise ConfigError(f"unsupported rope_type {kind!r} (only default RoPE)")
+    kind = rope_parameters(c)["rope_type"]
+    if kind not in rope_types:
+        raise ConfigError(f"unsupported rope_type {kind!r} (only {', '.join(rope_types)})")
     theta = rope.get("rope_theta", c.get("rope_theta"))
     if theta is None:
         raise ConfigError("missing rope_theta")
@@ -115,6 +145,7 @@ def common_fields(c: dict[str, Any]) -> dict[str, Any]:
         eos_token_ids=eos,
         bos_token_id=None if bos is None else int(bos),
         dtype=_DTYPES[dtype_raw],
+        weight_block=quantization_block(c),
     )
 
 

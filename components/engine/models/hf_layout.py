@@ -20,18 +20,25 @@ def swiglu_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tupl
     return {g: (intermediate, hidden), u: (intermediate, hidden), d: (hidden, intermediate)}
 
 
-def decoder_tensors(cfg: ModelConfig, qkv_bias: bool) -> dict[str, tuple[int, ...]]:
-    """Embeddings, final norm, lm_head, and each layer's two norms and GQA attention."""
-    H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
-    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+def embedding_and_norm_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Embeddings, final norm, lm_head, and each layer's two norms."""
+    H, V = cfg.hidden_size, cfg.vocab_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (V, H)
     for i in range(cfg.num_layers):
-        p = layer_prefix(i)
-        out[f"{p}.input_layernorm.weight"] = (H,)
-        out[f"{p}.post_attention_layernorm.weight"] = (H,)
-        a = f"{p}.self_attn"
+        out[f"{layer_prefix(i)}.input_layernorm.weight"] = (H,)
+        out[f"{layer_prefix(i)}.post_attention_layernorm.weight"] = (H,)
+    return out
+
+
+def decoder_tensors(cfg: ModelConfig, qkv_bias: bool) -> dict[str, tuple[int, ...]]:
+    """embedding_and_norm_tensors, and each layer's GQA attention."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    out = embedding_and_norm_tensors(cfg)
+    for i in range(cfg.num_layers):
+        a = f"{layer_prefix(i)}.self_attn"
         out.update({f"{a}.q_proj.weight": (q, H), f"{a}.k_proj.weight": (kv, H)})
         out.update({f"{a}.v_proj.weight": (kv, H), f"{a}.o_proj.weight": (H, q)})
         if qkv_bias:

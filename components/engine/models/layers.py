@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from components.engine.models.moe import SparseMoE
+
 
 def with_pending(ids: torch.Tensor, src: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
     """`ids`, each row with a `src` >= 0 taking `drawn[src]` instead: the token the step before
@@ -128,17 +130,22 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """HF-style rotary embedding (rotate_half over split halves), table computed in fp32."""
 
-    def __init__(self, head_dim: int, theta: float, max_len: int):
+    def __init__(
+        self, head_dim: int, theta: float, max_len: int, inv_freq: torch.Tensor | None = None, scale: float = 1.0
+    ):
+        """`inv_freq`: frequencies of a scaled RoPE (yarn) in place of theta's; `scale` multiplies
+        the tables (yarn's attention factor)."""
         super().__init__()
         # Computed on the host, then moved to the default device: on a GPU the first launch of
         # each of these ops, which serving never runs again, would load its kernel module, and
         # the driver keeps about 100 MB of host memory for them, carried by every snapshot image.
         dev, cpu = torch.get_default_device(), torch.device("cpu")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dev), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dev), persistent=False)
+        self.register_buffer("cos", (emb.cos() * scale).to(dev), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(dev), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
@@ -233,10 +240,11 @@ class DecoderBlock(nn.Module):
     """Pre-norm block. `attend` is everything up to the feed-forward input, so a decode graph can
     stop in front of an expert-parallel feed-forward (whose collective is host-driven)."""
 
-    def __init__(self, cfg, layer: int, rotary: Rotary, bias: bool):
+    def __init__(self, cfg, layer: int, rotary: Rotary, bias: bool, attention: nn.Module | None = None):
+        """`attention`: the family's own (MLA), in place of GQA `Attention`."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = self.attention(cfg, layer, rotary, bias)
+        self.self_attn = attention or self.attention(cfg, layer, rotary, bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def attention(self, cfg, layer: int, rotary: Rotary, bias: bool) -> Attention:
@@ -258,3 +266,17 @@ class DecoderBlock(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         h, n = self.attend(x, batch, kv)
         return h + self.ffn(n)
+
+
+class MlpBlock(DecoderBlock):
+    """A block whose feed-forward is its `mlp`: an expert-parallel MoE, or a dense MLP."""
+
+    mlp: nn.Module
+
+    @property
+    def ffn(self):
+        return self.mlp
+
+    @property
+    def moe(self):
+        return self.mlp if isinstance(self.mlp, SparseMoE) else None

@@ -129,6 +129,10 @@ def group_by_slot(key: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Te
 class SparseMoE(nn.Module):
     """Top-k routed experts over EP. `gate` is the router; expert weights live in slot tensors."""
 
+    # Whether `route` is the softmax top-k the CUDA routing kernel computes (route_and_sort); a
+    # family routing otherwise (sigmoid, grouped, biased) sets False and dispatches in torch ops.
+    fused_route = True
+
     def __init__(self, cfg, layer: int, ep: ExpertParallel):
         super().__init__()
         H, I, S = cfg.hidden_size, cfg.moe_intermediate_size, ep.slots_per_rank
@@ -195,7 +199,7 @@ class SparseMoE(nn.Module):
     def dispatch(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> Dispatch:
         """Device only (no host sync), so a graph can capture it. `valid` marks real rows of a
         padded batch; padding rows are routed but neither sent nor counted as load."""
-        if x.is_cuda:  # the same layout from two launches after the router (routing_kernel)
+        if x.is_cuda and self.fused_route:  # the same layout from two launches after the router (routing_kernel)
             from components.engine.kernels.routing import gather_rows, route_and_sort
 
             m, ep = self.ep.map, self.ep
@@ -225,6 +229,8 @@ class SparseMoE(nn.Module):
         order = torch.argsort(key, stable=True)
         counts = torch.zeros(R + 2, dtype=torch.int64, device=x.device).index_add_(0, key, torch.ones_like(key))
         local = (slots[order] % S).to(torch.int32)
+        if self.ep.windows is not None:  # the device exchange's count of misrouted pairs, as route_and_sort's
+            self.ep.misrouted.add_(counts[R] * self.ep.strict)
         return Dispatch(weights, order, x[order // k], local, counts)
 
     def exchange(self, d: Dispatch, out: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from components.engine.models.hf_layout import (
     swiglu_names,
     swiglu_shapes,
 )
-from components.engine.models.layers import DecoderBlock, GatedMLP, Rotary
+from components.engine.models.layers import GatedMLP, MlpBlock, Rotary
 from components.engine.models.moe import SparseMoE
 
 
@@ -30,7 +30,7 @@ class Qwen2MoeSparse(SparseMoE):
         return super().combine(x, d, out) + shared
 
 
-class Qwen2MoeBlock(DecoderBlock):
+class Qwen2MoeBlock(MlpBlock):
     def __init__(self, cfg, layer, ep, rotary):
         super().__init__(cfg, layer, rotary, bias=cfg.qkv_bias)
         if not cfg.sparse_layers[layer]:
@@ -39,14 +39,6 @@ class Qwen2MoeBlock(DecoderBlock):
             self.mlp = Qwen2MoeSparse(cfg, layer, ep)
         else:
             self.mlp = SparseMoE(cfg, layer, ep)
-
-    @property
-    def ffn(self):
-        return self.mlp
-
-    @property
-    def moe(self):
-        return self.mlp if isinstance(self.mlp, SparseMoE) else None
 
 
 class Qwen2Moe:

@@ -6,11 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from components.engine.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from components.engine.models import deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe
 from components.engine.models.config import ConfigError, ModelConfig, read_json
 from components.engine.models.family import ModelFamily
 
-FAMILIES: tuple[ModelFamily, ...] = (mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)
+FAMILIES: tuple[ModelFamily, ...] = (
+    mixtral.FAMILY,
+    qwen2_moe.FAMILY,
+    qwen3_moe.FAMILY,
+    olmoe.FAMILY,
+    deepseek_v3.FAMILY,
+)
 
 BY_ARCHITECTURE: dict[str, ModelFamily] = {a: f for f in FAMILIES for a in f.architectures}
 _BY_NAME: dict[str, ModelFamily] = {f.name: f for f in FAMILIES}

@@ -58,7 +58,7 @@ class MoETransformer(nn.Module):
     def load_dense(self, ckpt: Checkpoint) -> None:
         with torch.no_grad():
             for name, p in self.named_parameters():
-                p.copy_(ckpt.get(name, dtype=p.dtype))
+                p.copy_(ckpt.get(name, dtype=p.dtype, device=p.device))
 
     def load_experts(self, ckpt: Checkpoint, placement: Placement, rank: int, since: Placement | None = None) -> None:
         """Fill this rank's slots with the experts the placement puts there; with `since`, only
@@ -70,7 +70,8 @@ class MoETransformer(nn.Module):
                 for slot, expert in enumerate(placement.experts_on(rank, row)):
                     if expert >= 0 and (before is None or before[slot] != expert):
                         names = tensor_names(self.cfg, moe.layer, expert)
-                        moe.load_slot(slot, *(ckpt.get(n, dtype=moe.w_gate.dtype) for n in names))
+                        parts = (ckpt.get(n, dtype=moe.w_gate.dtype, device=moe.w_gate.device) for n in names)
+                        moe.load_slot(slot, *parts)
 
 
 def build_model(cfg: ModelConfig, ep: ExpertParallel, max_len: int, dtype, device) -> MoETransformer:
