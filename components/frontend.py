@@ -92,6 +92,8 @@ async def guard(cfg: FrontendConfig, upstream: str):
     import aiohttp
     from aiohttp import web
 
+    from components.graph.runtime import nodelay_listener
+
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0),
         timeout=aiohttp.ClientTimeout(total=None),
@@ -141,6 +143,8 @@ async def guard(cfg: FrontendConfig, upstream: str):
             break
         except OSError:
             await asyncio.sleep(0.1)
+    if not nodelay_listener(int(port)):
+        log.warning("no listener on port %s in this process: Dynamo's responses keep Nagle's delay", port)
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     return runner, session
 
@@ -176,7 +180,13 @@ async def serve(cfg: FrontendConfig) -> None:
             failed.set()
             rt.shutdown()
             return
-        log.info("OpenAI HTTP service on http://%s:%d (namespace %s)", cfg.host, cfg.port, ctx.namespace)
+        log.info(
+            "OpenAI HTTP service on http://%s:%d (namespace %s; Dynamo's own on 127.0.0.1:%d)",
+            cfg.host,
+            cfg.port,
+            ctx.namespace,
+            internal,
+        )
 
     failed = asyncio.Event()
     public.add_done_callback(listening)
