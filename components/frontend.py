@@ -269,6 +269,8 @@ async def guard(
     import aiohttp
     from aiohttp import web
 
+    from components.graph.runtime import nodelay_listener
+
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0),
         timeout=aiohttp.ClientTimeout(total=None),
@@ -367,6 +369,8 @@ async def guard(
             break
         except OSError:
             await asyncio.sleep(0.1)
+    if not nodelay_listener(int(port)):
+        log.warning("no listener on port %s in this process: Dynamo's responses keep Nagle's delay", port)
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     return runner, session
 
@@ -404,7 +408,13 @@ async def serve(cfg: FrontendConfig) -> None:
             failed.set()
             rt.shutdown()
             return
-        log.info("OpenAI HTTP service on http://%s:%d (namespace %s)", cfg.host, cfg.port, ctx.namespace)
+        log.info(
+            "OpenAI HTTP service on http://%s:%d (namespace %s; Dynamo's own on 127.0.0.1:%d)",
+            cfg.host,
+            cfg.port,
+            ctx.namespace,
+            internal,
+        )
 
     failed = asyncio.Event()
     public.add_done_callback(listening)

@@ -322,6 +322,14 @@ def test_bad_request_through_openai_client(stack: Stack) -> None:
     assert_good_completion(stack)
 
 
+def test_dynamo_service_sends_with_nagle_off(stack: Stack) -> None:
+    """The frontend turned Nagle off on Dynamo's own listener (components.graph.runtime.
+    nodelay_listener), else a stream's first chunk after the headers waits for the guard's
+    delayed ACK (40 ms)."""
+    assert re.search(r"Dynamo's own on 127\.0\.0\.1:\d+", stack.output), stack.tail()
+    assert "keep Nagle's delay" not in stack.output
+
+
 def test_router_metrics(stack: Stack) -> None:
     r = httpx.get(f"{stack.router}/metrics", timeout=10)
     assert r.status_code == 200
