@@ -43,8 +43,10 @@ def make_moe(device, dtype, T, E, k, R, S, norm, masked, seed=0):
     emap.install(Placement(S, [slots, slots[::-1]]))
     mask = torch.ones(R, dtype=torch.bool, device=device)
     mask[masked] = False
-    ep = SimpleNamespace(slots_per_rank=S, map=emap, mask=mask)
-    cfg = SimpleNamespace(hidden_size=32, moe_intermediate_size=8, num_experts=E, top_k=k, norm_topk_prob=norm)
+    ep = SimpleNamespace(slots_per_rank=S, map=emap, mask=mask, windows=None)
+    cfg = SimpleNamespace(
+        hidden_size=32, moe_intermediate_size=8, num_experts=E, top_k=k, norm_topk_prob=norm, sparse_layers=(True,) * 2
+    )
     moe = SparseMoE(cfg, 1, ep).to(device=device, dtype=dtype)
     moe.gate.weight.data = torch.randn(E, 32, generator=g).to(device=device, dtype=dtype)
     return moe

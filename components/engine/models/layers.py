@@ -142,6 +142,7 @@ class Rotary(nn.Module):
         dev, cpu = torch.get_default_device(), torch.device("cpu")
         if inv_freq is None:
             inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+        inv_freq = inv_freq.to(cpu)  # a family's own (yarn) may come from the default device
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scale).to(dev), persistent=False)
