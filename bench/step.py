@@ -260,8 +260,24 @@ def main(argv=None) -> int:
         "hbm_gbps": args.hbm_gbps,
         "rows": rows,
     }
+    result["kv_bytes_per_token"] = kv_bytes(eng)
+    print(
+        "KV cache bytes per token (all layers): "
+        + ", ".join(f"{k} {v:,}" for k, v in result["kv_bytes_per_token"].items())
+    )
     write_results(args.out, result)
     return 0
+
+
+def kv_bytes(eng) -> dict[str, int]:
+    """What the cache keeps a token, and for MLA what expanded per-head keys and values would."""
+    from components.engine.models.registry import family
+
+    mc, fam = eng.model_config, family(eng.model_config)
+    out = {"cache": fam.kv_layout(mc).bytes_per_token(mc.num_layers, eng.dtype.itemsize)}
+    if hasattr(fam, "expanded_kv_layout"):
+        out["expanded_heads"] = fam.expanded_kv_layout(mc).bytes_per_token(mc.num_layers, eng.dtype.itemsize)
+    return out
 
 
 def table(rows, args) -> str:
