@@ -41,6 +41,8 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0, t
             if arch == "qwen2_moe"
             else tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(norm_topk_prob=True, head_dim=16, **qwen))
         )
+    elif arch.startswith("glm4_moe"):
+        model = _glm4_moe(arch, common)
     elif arch == "olmoe":
         # clip_qkv low enough to clamp some of the normed q and k entries.
         model = tf.OlmoeForCausalLM(tf.OlmoeConfig(intermediate_size=24, num_experts=8, clip_qkv=1.5, **common))
@@ -53,41 +55,72 @@ def make_checkpoint(arch: str, path: Path, dtype=torch.float32, seed: int = 0, t
     return path
 
 
+# DeepSeek-V3's MoE layout, as its tiny test models and GLM-4.5's have it: a dense first layer,
+# a shared expert, scaled routing weights; grouped routing where `grouped`.
+def _deepseek_moe(grouped: bool) -> dict:
+    return dict(
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_group=4 if grouped else 1,
+        topk_group=2 if grouped else 1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+    )
+
+
+def _perturbed(model):
+    """`model` with what transformers starts at zero or one drawn at random: projection biases,
+    q/k norm weights, the selection biases (which change the choice, not the weights)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0, 0.02)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1, 0.2)
+        for layer in model.model.layers[model.config.first_k_dense_replace :]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    return model
+
+
 def _deepseek_v3(arch: str, common: dict):
     """The "deepseek_v3" test model: q LoRA, attention bias, yarn, interleaved rope, grouped
-    routing; "deepseek_v3_q_proj": no q LoRA, default rope, one group. Both with a dense first
-    layer, shared experts and a nonzero selection bias (which changes the choice, not the weights)."""
+    routing; "deepseek_v3_q_proj": no q LoRA, default rope, one group."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     lora = arch == "deepseek_v3"
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0}
     cfg = DeepseekV3Config(
         **{**common, "num_key_value_heads": common["num_attention_heads"]},
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        n_routed_experts=8,
-        n_shared_experts=1,
+        **_deepseek_moe(grouped=lora),
         kv_lora_rank=16,
         q_lora_rank=24 if lora else None,
         qk_rope_head_dim=8,
         qk_nope_head_dim=8,
         v_head_dim=12,
-        n_group=4 if lora else 1,
-        topk_group=2 if lora else 1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
         attention_bias=lora,
         rope_interleave=lora,
         rope_parameters={"rope_theta": 10000.0, **({**yarn, "mscale_all_dim": 1.0} if lora else {})},
     )
-    model = DeepseekV3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("_proj.bias"):  # transformers starts them at zero
-                p.normal_(0, 0.02)
-        for layer in model.model.layers[cfg.first_k_dense_replace :]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
-    return model
+    return _perturbed(DeepseekV3ForCausalLM(cfg))
+
+
+def _glm4_moe(arch: str, common: dict):
+    """The "glm4_moe" test model: q/k norms, grouped routing; "glm4_moe_no_qk_norm": neither. Both
+    with half of each head rotated, q/k/v bias and heads wider than hidden_size / heads."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    qk_norm = arch == "glm4_moe"
+    cfg = Glm4MoeConfig(
+        **common,
+        **_deepseek_moe(grouped=qk_norm),
+        head_dim=16,
+        attention_bias=True,
+        use_qk_norm=qk_norm,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
+    )
+    return _perturbed(Glm4MoeForCausalLM(cfg))
 
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value

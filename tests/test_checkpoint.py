@@ -197,6 +197,8 @@ def test_qk_norm_families_open_and_match(qk_norm):
 
 
 REFUSED = [
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu' is unsupported (only 'silu')"),
+    ("qwen2_moe", {"hidden_act": "gelu"}, "hidden_act='gelu' is unsupported (only 'silu')"),
     ("qwen3_moe", {"attention_bias": True}, "attention_bias=True is unsupported (only False)"),
     ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act='gelu' is unsupported (only 'silu')"),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4096}, "sliding window"),
@@ -204,6 +206,15 @@ REFUSED = [
     ("olmoe", {"sliding_window": 4096}, "sliding window"),  # OLMoE has no use_sliding_window flag
     ("olmoe", {"attention_bias": True}, "attention_bias=True is unsupported"),
     ("olmoe", {"head_dim": 16}, "head_dim=16 is unsupported (only hidden_size / num_attention_heads)"),
+    ("glm4_moe", {"hidden_act": "gelu"}, "hidden_act='gelu' is unsupported (only 'silu')"),
+    ("glm4_moe", {"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
+    # 16 * 0.4375: 7 rotated dims, which rotate-half cannot pair.
+    (
+        "glm4_moe",
+        {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.4375}},
+        "partial_rotary_factor=0.4375",
+    ),
+    ("glm4_moe", {"n_group": 3}, "unsupported n_group=3 (n_routed_experts=8 in n_group groups"),
 ]
 
 
@@ -250,7 +261,7 @@ def test_unknown_architecture(bad):
     assert _err(bad) == (
         f"{bad}/config.json: unknown architecture 'LlamaForCausalLM' "
         "(supported: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
-        "DeepseekV3ForCausalLM)"
+        "DeepseekV3ForCausalLM, Glm4MoeForCausalLM)"
     )
 
 
@@ -387,7 +398,7 @@ MOONLIGHT = {
 def test_deepseek_v3_kimi_k2_and_moonlight_configs_are_read_as_published():
     c = config_from_dict(DEEPSEEK_V3)
     p = c.params
-    assert (c.num_experts, c.top_k, p.n_group, p.topk_group, p.q_lora_rank) == (256, 8, 8, 4, 1536)
+    assert (c.num_experts, c.top_k, p.routing.n_group, p.routing.topk_group, p.q_lora_rank) == (256, 8, 8, 4, 1536)
     assert c.sparse_layers == (False,) * 3 + (True,) * 58 and c.weight_block == (128, 128)
     assert c.shared_expert_intermediate_size == 2048 and p.rope_interleave and p.yarn.factor == 40
     # yarn's mscale (0.1 ln 40 + 1) squared on the softmax scale; its attention factor is 1.
@@ -399,7 +410,7 @@ def test_deepseek_v3_kimi_k2_and_moonlight_configs_are_read_as_published():
     assert layout.bytes_per_token(61, 2) == 61 * 1152 == 70272
     assert family(c).expanded_kv_layout(c).bytes_per_token(61, 2) == 61 * 128 * (192 + 128) * 2 == 4997120
     k2, moon = config_from_dict(KIMI_K2), config_from_dict(MOONLIGHT)
-    assert (k2.num_experts, k2.params.n_group, k2.params.routed_scaling_factor) == (384, 1, 2.827)
+    assert (k2.num_experts, k2.params.routing.n_group, k2.params.routing.routed_scaling_factor) == (384, 1, 2.827)
     assert moon.params.q_lora_rank == 0 and moon.params.yarn is None and moon.weight_block is None
     assert moon.shared_expert_intermediate_size == 2 * 1408
     assert "model.layers.0.self_attn.q_proj.weight" in expected_tensors(moon)
@@ -427,6 +438,63 @@ def test_a_deepseek_field_this_engine_does_not_implement_is_refused_naming_it(ch
     with pytest.raises(ConfigError) as e:
         config_from_dict({**DEEPSEEK_V3, **change})
     assert str(e.value).startswith(message), str(e.value)
+
+
+# GLM-4.5's config.json (zai-org/GLM-4.5): the fields the engine reads.
+GLM_45 = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "attention_bias": True,
+    "first_k_dense_replace": 3,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1536,
+    "n_group": 1,
+    "n_routed_experts": 160,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 92,
+    "num_key_value_heads": 8,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000,
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "torch_dtype": "bfloat16",
+    "use_qk_norm": True,
+    "vocab_size": 151552,
+}
+
+
+def test_glm_4_5_config_is_read_as_published_and_its_checkpoint_named_as_transformers_writes_it(tmp_path, caplog):
+    with caplog.at_level("INFO"):
+        c = config_from_dict(GLM_45)
+    assert "glm4_moe: 1 MTP layer(s) (layer index 92 on) skipped" in caplog.text
+    p = c.params
+    assert (c.num_experts, c.top_k, p.routing.n_group, p.routing.routed_scaling_factor) == (160, 8, 1, 2.5)
+    assert c.sparse_layers == (False,) * 3 + (True,) * 89 and c.qkv_bias and p.use_qk_norm
+    assert (c.head_dim, p.rotary_dim, c.shared_expert_intermediate_size) == (128, 64, 1536)
+    # A GQA cache of 8 heads of 128-dim keys and values: 4096 B a token and layer in bf16.
+    assert family(c).kv_layout(c).bytes_per_token(92, 2) == 92 * 4096
+    names = expected_tensors(c)
+    assert names["model.layers.0.self_attn.q_proj.weight"] == (96 * 128, 5120)
+    assert names["model.layers.0.self_attn.k_proj.bias"] == (8 * 128,)
+    assert names["model.layers.3.self_attn.q_norm.weight"] == (128,)
+    assert names["model.layers.3.mlp.gate.e_score_correction_bias"] == (160,)
+    assert names["model.layers.91.mlp.shared_experts.down_proj.weight"] == (5120, 1536)
+    assert "model.layers.2.mlp.gate_proj.weight" in names and "model.layers.92.mlp.gate.weight" not in names
+    # The tiny checkpoints transformers writes open under the same names, with and without q/k norms.
+    for arch, qk_norm in (("glm4_moe", True), ("glm4_moe_no_qk_norm", False)):
+        with Checkpoint.open(make_checkpoint(arch, tmp_path / arch)) as ckpt:
+            cp = ckpt.config.params
+            assert (cp.rotary_dim, cp.use_qk_norm, cp.routing.n_group) == (8, qk_norm, 4 if qk_norm else 1)
+            assert ("model.layers.1.self_attn.k_norm.weight" in ckpt) == qk_norm
 
 
 def test_an_fp8_weight_without_its_scale_or_quantization_config_is_refused(tmp_path):

@@ -14,7 +14,16 @@ from components.engine.request import GenerateRequest, RequestError
 from harness.reference import PROMPTS, generate, make_checkpoint, reference, single_rank
 
 MAX_NEW = 10
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v3_q_proj"]
+ARCHS = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v3",
+    "deepseek_v3_q_proj",
+    "glm4_moe",
+    "glm4_moe_no_qk_norm",
+]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

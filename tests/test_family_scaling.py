@@ -13,7 +13,7 @@ MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(6)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe"])
 def test_a_familys_checkpoint_scales_under_traffic_generating_what_transformers_does(arch, tmp_path):
     """A tiny checkpoint of the family served by its own graph, 2 -> 4 -> 2 under streaming
     clients: every completion is transformers' greedy one, the joiners' experts pulled by the

@@ -53,17 +53,19 @@ def check_rms_norm(device: str, dtype: torch.dtype, H: int, weight_dtype: torch.
         assert torch.equal(alone_h[0], h[i]) and torch.equal(alone_hn[0], hn[i]), f"row {i} differs alone"
 
 
-def check_rotary_cache(device: str, dtype: torch.dtype, nh: int, nkv: int, hd: int, table_dtype: torch.dtype) -> None:
+def check_rotary_cache(
+    device: str, dtype: torch.dtype, nh: int, nkv: int, hd: int, rot_dim: int, table_dtype: torch.dtype
+) -> None:
     """rotary_cache_write against layers.Rotary and the indexed cache stores: the rotated q and the
     caches bit for bit, so k and v landed at their (slot, position) and nothing else in either
     cache changed; q, k and v are slices of one fused projection (strided); and a token's results
-    are the same written alone."""
+    are the same written alone. `rot_dim` below `hd`: partial rotary, the rest of a head passed."""
     from components.engine.kernels.rotary import rotary_cache_write
     from components.engine.models.layers import Rotary
 
     torch.manual_seed(0)
     max_len = 50
-    rot = Rotary(hd, 10000.0, max_len).to(table_dtype).to(device)
+    rot = Rotary(rot_dim, 10000.0, max_len).to(table_dtype).to(device)
     pos = torch.tensor([0, 5, max_len - 1, 17, 3, 3], device=device)
     slots = torch.tensor([2, 0, 1, 2, 3, 0], device=device)
     T = len(pos)
@@ -92,7 +94,8 @@ def check_rotary_cache(device: str, dtype: torch.dtype, nh: int, nkv: int, hd: i
         assert torch.equal(kc1[s, p], kc[s, p]) and torch.equal(vc1[s, p], vc[s, p]), f"token {i} differs alone"
 
 
-ROTARY_SHAPES = [(4, 2, 64), (8, 1, 128), (6, 3, 96), (32, 8, 128)]  # GQA, MQA, a head dim not a power of two, Mixtral
+# (nh, nkv, hd, rotated dims): GQA, MQA, a head dim not a power of two, partial rotary, Mixtral, GLM-4.5.
+ROTARY_SHAPES = [(4, 2, 64, 64), (8, 1, 128, 128), (6, 3, 96, 96), (6, 3, 96, 48), (32, 8, 128, 128), (96, 8, 128, 64)]
 
 
 @pytest.mark.gpu
@@ -105,9 +108,9 @@ def test_rms_norm_matches_torch_and_is_batch_invariant(dtype, H):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("nh,nkv,hd", ROTARY_SHAPES)
-def test_rotary_cache_write_matches_torch_bitwise(dtype, table_dtype, nh, nkv, hd):
-    check_rotary_cache("cuda", dtype, nh, nkv, hd, table_dtype)
+@pytest.mark.parametrize("nh,nkv,hd,rot_dim", ROTARY_SHAPES)
+def test_rotary_cache_write_matches_torch_bitwise(dtype, table_dtype, nh, nkv, hd, rot_dim):
+    check_rotary_cache("cuda", dtype, nh, nkv, hd, rot_dim, table_dtype)
 
 
 @pytest.mark.gpu
@@ -153,9 +156,9 @@ def _interpreted() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for H in (96, 1000):
             check_rms_norm("cpu", dtype, H)
-        for nh, nkv, hd in ROTARY_SHAPES[:3]:
+        for shape in ROTARY_SHAPES[:4]:
             for table_dtype in (torch.float32, torch.bfloat16):
-                check_rotary_cache("cpu", dtype, nh, nkv, hd, table_dtype)
+                check_rotary_cache("cpu", dtype, *shape, table_dtype)
     check_rms_norm("cpu", torch.bfloat16, 96, weight_dtype=torch.float32)  # an fp32 result, as torch promotes
 
 

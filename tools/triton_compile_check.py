@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import itertools
 import multiprocessing
 import os
 import re
@@ -149,10 +150,11 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
         kc, vc = t(CACHE_SLOTS, MAX_LEN, KV_HEADS, HEAD_DIM), t(CACHE_SLOTS, MAX_LEN, KV_HEADS, HEAD_DIM)
         yield f"rms_norm {at}", lambda: rms_norm(x, t(HIDDEN), 1e-5)
         yield f"add_rms_norm {at}", lambda: add_rms_norm(x, t(B, HIDDEN), t(HIDDEN), 1e-5)
-        for tab in {dt, torch.float32}:  # the rotary tables: cast with the model (model.to), or fp32
-            cos, sin = _meta(MAX_LEN, HEAD_DIM, dtype=tab), _meta(MAX_LEN, HEAD_DIM, dtype=tab)
+        # The rotary tables: cast with the model (model.to), or fp32; every dim rotated, or half (GLM).
+        for tab, rot in itertools.product({dt, torch.float32}, (HEAD_DIM, HEAD_DIM // 2)):
+            cos, sin = _meta(MAX_LEN, rot, dtype=tab), _meta(MAX_LEN, rot, dtype=tab)
             yield (
-                f"rotary_cache_write {at} tables {tab}",
+                f"rotary_cache_write {at} tables {tab} rotary {rot}",
                 lambda: rotary_cache_write(q, k, v, cos, sin, i64(B), i64(B), kc, vc),
             )
         yield f"decode_attention {at}", lambda: decode_attention(q, kc, vc, i64(B), i64(B))

@@ -58,6 +58,14 @@ class Yarn(msgspec.Struct, frozen=True):
     truncate: bool
 
 
+class GroupedRouting(msgspec.Struct, frozen=True):
+    """The routing's settings (module docstring); GLM-4.5 routes the same way."""
+
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+
+
 class DeepseekParams(msgspec.Struct, frozen=True):
     q_lora_rank: int  # 0: queries straight from q_proj
     kv_lora_rank: int
@@ -68,9 +76,7 @@ class DeepseekParams(msgspec.Struct, frozen=True):
     rope_interleave: bool
     yarn: Yarn | None
     softmax_scale: float
-    n_group: int
-    topk_group: int
-    routed_scaling_factor: float
+    routing: GroupedRouting
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:
@@ -215,11 +221,13 @@ class Router(nn.Module):
 
 
 class DeepseekMoE(SparseMoE):
+    """The routed and shared experts of a sparse layer; `cfg.params.routing` says how it routes."""
+
     fused_route = False
 
     def __init__(self, cfg: ModelConfig, layer: int, ep):
         super().__init__(cfg, layer, ep)
-        self.p: DeepseekParams = cfg.params
+        self.p: GroupedRouting = cfg.params.routing
         self.gate = Router(cfg.hidden_size, cfg.num_experts)
         self.shared_experts = (
             GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
@@ -250,9 +258,38 @@ class DeepseekMoE(SparseMoE):
 
 class DeepseekBlock(MlpBlock):
     def __init__(self, cfg, layer, ep, rotary):
-        super().__init__(cfg, layer, rotary, bias=False, attention=LatentAttention(cfg, layer, rotary))
+        super().__init__(cfg, layer, rotary, bias=cfg.qkv_bias)
         sparse = cfg.sparse_layers[layer]
         self.mlp = DeepseekMoE(cfg, layer, ep) if sparse else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
+
+    def attention(self, cfg, layer, rotary, bias):
+        return LatentAttention(cfg, layer, rotary)
+
+
+def grouped_moe(c: dict[str, Any], family: str) -> tuple[dict[str, Any], GroupedRouting]:
+    """The ModelConfig fields of DeepSeek's MoE layout as config.json spells them (GLM-4.5's
+    too): routed and shared experts, the first `first_k_dense_replace` layers dense; and its
+    routing. The MTP layers are skipped, with a log line."""
+    experts, layers = int(c["n_routed_experts"]), int(c["num_hidden_layers"])
+    n_group, topk_group = int(c.get("n_group") or 1), int(c.get("topk_group") or 1)
+    if experts % n_group or not 1 <= topk_group <= n_group:
+        why = f"n_routed_experts={experts} in n_group groups, topk_group={topk_group} of them"
+        _refuse("n_group", n_group, why)
+    if n_group > 1 and experts // n_group < 2:
+        _refuse("n_group", n_group, "a group's score is its two best experts: at least 2 experts a group")
+    mtp = int(c.get("num_nextn_predict_layers") or 0)
+    if mtp:
+        log.info("%s: %d MTP layer(s) (layer index %d on) skipped: no speculative decoding", family, mtp, layers)
+    first_dense = int(c.get("first_k_dense_replace") or 0)
+    fields = dict(
+        num_experts=experts,
+        moe_intermediate_size=int(c["moe_intermediate_size"]),
+        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=int(c["moe_intermediate_size"]) * int(c.get("n_shared_experts") or 0),
+        dense_intermediate_size=int(c["intermediate_size"]),
+        sparse_layers=tuple(i >= first_dense for i in range(layers)),
+    )
+    return fields, GroupedRouting(n_group, topk_group, float(c.get("routed_scaling_factor", 1.0)))
 
 
 # Fields whose value changes the math, and the values this file implements.
@@ -274,7 +311,7 @@ class DeepseekV3:
             if c.get(field) is not None and c[field] not in values:
                 _refuse(field, c[field], f"only {', '.join(map(repr, values))}")
         common = common_fields(c, rope_types=("default", "yarn"))
-        heads, layers = common["num_heads"], common["num_layers"]
+        heads = common["num_heads"]
         if common["num_kv_heads"] != heads:
             _refuse("num_key_value_heads", common["num_kv_heads"], f"MLA needs it equal to num_attention_heads={heads}")
         rope = rope_parameters(c)
@@ -282,17 +319,7 @@ class DeepseekV3:
             _refuse("rope_parameters.partial_rotary_factor", rope["partial_rotary_factor"], "only 1.0")
         nope, rot = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"])
         yarn, mscale2 = _yarn(rope, common["max_position_embeddings"]) if rope["rope_type"] == "yarn" else (None, 1.0)
-        experts = int(c["n_routed_experts"])
-        n_group, topk_group = int(c.get("n_group") or 1), int(c.get("topk_group") or 1)
-        if experts % n_group or not 1 <= topk_group <= n_group:
-            why = f"n_routed_experts={experts} in n_group groups, topk_group={topk_group} of them"
-            _refuse("n_group", n_group, why)
-        if n_group > 1 and experts // n_group < 2:
-            _refuse("n_group", n_group, "a group's score is its two best experts: at least 2 experts a group")
-        mtp = int(c.get("num_nextn_predict_layers") or 0)
-        if mtp:
-            log.info("deepseek_v3: %d MTP layer(s) (layer index %d on) skipped: no speculative decoding", mtp, layers)
-        first_dense = int(c.get("first_k_dense_replace") or 0)
+        moe, routing = grouped_moe(c, self.name)
         params = DeepseekParams(
             q_lora_rank=int(c.get("q_lora_rank") or 0),
             kv_lora_rank=int(c["kv_lora_rank"]),
@@ -303,19 +330,12 @@ class DeepseekV3:
             rope_interleave=bool(c.get("rope_interleave", True)),
             yarn=yarn,
             softmax_scale=(nope + rot) ** -0.5 * mscale2,
-            n_group=n_group,
-            topk_group=topk_group,
-            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+            routing=routing,
         )
         return ModelConfig(
             architecture=self.name,
             **{**common, "head_dim": nope + rot},
-            num_experts=experts,
-            moe_intermediate_size=int(c["moe_intermediate_size"]),
-            norm_topk_prob=bool(c.get("norm_topk_prob", True)),
-            shared_expert_intermediate_size=int(c["moe_intermediate_size"]) * int(c.get("n_shared_experts") or 0),
-            dense_intermediate_size=int(c["intermediate_size"]),
-            sparse_layers=tuple(i >= first_dense for i in range(layers)),
+            **moe,
             qkv_bias=False,
             params=params,
         )
@@ -339,7 +359,7 @@ class DeepseekV3:
         out = embedding_and_norm_tensors(cfg)
         q_dim = nh * (p.qk_nope_head_dim + p.qk_rope_head_dim)
         for i in range(cfg.num_layers):
-            a, m = f"{layer_prefix(i)}.self_attn", f"{layer_prefix(i)}.mlp"
+            a = f"{layer_prefix(i)}.self_attn"
             if p.q_lora_rank:
                 out[f"{a}.q_a_proj.weight"] = (p.q_lora_rank, H)
                 out[f"{a}.q_a_layernorm.weight"] = (p.q_lora_rank,)
@@ -355,14 +375,18 @@ class DeepseekV3:
                     out[f"{a}.q_a_proj.bias"] = (p.q_lora_rank,)
                 out[f"{a}.kv_a_proj_with_mqa.bias"] = (p.kv_lora_rank + p.qk_rope_head_dim,)
                 out[f"{a}.o_proj.bias"] = (H,)
-            if not cfg.sparse_layers[i]:
-                out.update(swiglu_shapes(m, H, cfg.dense_intermediate_size))
-                continue
-            out[f"{m}.gate.weight"] = (cfg.num_experts, H)
-            out[f"{m}.gate.e_score_correction_bias"] = (cfg.num_experts,)
-            out.update(routed_expert_shapes(cfg, self, i))
-            if cfg.shared_expert_intermediate_size:
-                out.update(swiglu_shapes(f"{m}.shared_experts", H, cfg.shared_expert_intermediate_size))
+            out.update(self.mlp_tensors(cfg, i))
+        return out
+
+    def mlp_tensors(self, cfg, layer: int) -> dict[str, tuple[int, ...]]:
+        """Layer `layer`'s feed-forward: a dense MLP, or the router, routed and shared experts."""
+        H, m = cfg.hidden_size, f"{layer_prefix(layer)}.mlp"
+        if not cfg.sparse_layers[layer]:
+            return swiglu_shapes(m, H, cfg.dense_intermediate_size)
+        out = {f"{m}.gate.weight": (cfg.num_experts, H), f"{m}.gate.e_score_correction_bias": (cfg.num_experts,)}
+        out.update(routed_expert_shapes(cfg, self, layer))
+        if cfg.shared_expert_intermediate_size:
+            out.update(swiglu_shapes(f"{m}.shared_experts", H, cfg.shared_expert_intermediate_size))
         return out
 
     def kv_layout(self, cfg):

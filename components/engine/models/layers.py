@@ -128,20 +128,20 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """HF-style rotary embedding (rotate_half over split halves), table computed in fp32."""
+    """HF-style rotary embedding (rotate_half over split halves), table computed in fp32. Its
+    tables are `dim` wide: a wider x is rotated in its first `dim` dims and passes the
+    rest (partial rotary, as transformers' apply_rotary_pos_emb reads the width off the tables)."""
 
-    def __init__(
-        self, head_dim: int, theta: float, max_len: int, inv_freq: torch.Tensor | None = None, scale: float = 1.0
-    ):
-        """`inv_freq`: frequencies of a scaled RoPE (yarn) in place of theta's; `scale` multiplies
-        the tables (yarn's attention factor)."""
+    def __init__(self, dim: int, theta: float, max_len: int, inv_freq: torch.Tensor | None = None, scale: float = 1.0):
+        """`dim`: the rotated dims of a head; `inv_freq`: frequencies of a scaled RoPE (yarn) in place
+        of theta's; `scale` multiplies the tables (yarn's attention factor)."""
         super().__init__()
         # Computed on the host, then moved to the default device: on a GPU the first launch of
         # each of these ops, which serving never runs again, would load its kernel module, and
         # the driver keeps about 100 MB of host memory for them, carried by every snapshot image.
         dev, cpu = torch.get_default_device(), torch.device("cpu")
         if inv_freq is None:
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim))
         inv_freq = inv_freq.to(cpu)  # a family's own (yarn) may come from the default device
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -149,6 +149,9 @@ class Rotary(nn.Module):
         self.register_buffer("sin", (emb.sin() * scale).to(dev), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        dim = self.cos.shape[-1]
+        if x.shape[-1] > dim:
+            return torch.cat((self(x[..., :dim], positions), x[..., dim:]), dim=-1)
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
@@ -241,15 +244,15 @@ class DecoderBlock(nn.Module):
     """Pre-norm block. `attend` is everything up to the feed-forward input, so a decode graph can
     stop in front of an expert-parallel feed-forward (whose collective is host-driven)."""
 
-    def __init__(self, cfg, layer: int, rotary: Rotary, bias: bool, attention: nn.Module | None = None):
-        """`attention`: the family's own (MLA), in place of GQA `Attention`."""
+    def __init__(self, cfg, layer: int, rotary: Rotary, bias: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = attention or self.attention(cfg, layer, rotary, bias)
+        self.self_attn = self.attention(cfg, layer, rotary, bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def attention(self, cfg, layer: int, rotary: Rotary, bias: bool) -> Attention:
-        """The block's `self_attn`; a family whose attention differs returns its subclass."""
+    def attention(self, cfg, layer: int, rotary: Rotary, bias: bool) -> nn.Module:
+        """The block's `self_attn`; a family whose attention differs returns its own (a subclass,
+        or MLA)."""
         return Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias, rotary, layer)
 
     ffn: nn.Module  # the feed-forward: an EP MoE or a dense MLP

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from components.engine.models.config import ModelConfig, common_fields, refuse_sliding_window
+from components.engine.models.config import ModelConfig, common_fields, refuse_sliding_window, refuse_unless
 from components.engine.models.family import KVLayout
 from components.engine.models.hf_layout import decoder_tensors, layer_prefix, routed_expert_shapes
 from components.engine.models.layers import DecoderBlock, Rotary
@@ -28,6 +28,7 @@ class Mixtral:
     def config(self, c):
         # Mixtral has no use_sliding_window flag: a set sliding_window is in force.
         refuse_sliding_window(c, on_by_default=True)
+        refuse_unless(c, hidden_act="silu")
         common = common_fields(c)
         return ModelConfig(
             architecture=self.name,

@@ -13,8 +13,8 @@ from components.engine.models.qwen3_moe import Qwen3Moe, Qwen3MoeBlock
 
 
 class ProjectionNormAttention(Attention):
-    def __init__(self, cfg, layer, rotary):
-        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, False, rotary, layer)
+    def __init__(self, cfg, layer, rotary, bias: bool):
+        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias, rotary, layer)
         self.q_norm = RMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
         self.clip = cfg.clip_qkv

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from components.engine.models.config import ModelConfig, common_fields, refuse_sliding_window
+from components.engine.models.config import ModelConfig, common_fields, refuse_sliding_window, refuse_unless
 from components.engine.models.family import KVLayout
 from components.engine.models.hf_layout import (
     decoder_tensors,
@@ -47,6 +47,7 @@ class Qwen2Moe:
 
     def config(self, c):
         refuse_sliding_window(c, on_by_default=False)
+        refuse_unless(c, hidden_act="silu")
         common = common_fields(c)
         experts, layers = int(c["num_experts"]), common["num_layers"]
         mlp_only, step = set(c.get("mlp_only_layers") or ()), int(c.get("decoder_sparse_step", 1))

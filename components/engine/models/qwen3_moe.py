@@ -14,8 +14,8 @@ class HeadNormAttention(Attention):
     """q and k RMS-normed over each head (one head_dim weight for every head) before the rotary
     embedding; on CUDA the norm is the row-local Triton kernel, a row per (token, head)."""
 
-    def __init__(self, cfg, layer, rotary):
-        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, False, rotary, layer)
+    def __init__(self, cfg, layer, rotary, bias: bool):
+        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias, rotary, layer)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -28,7 +28,7 @@ class Qwen3MoeBlock(Qwen2MoeBlock):
     attention_class: type[Attention] = HeadNormAttention
 
     def attention(self, cfg, layer, rotary, bias):
-        return self.attention_class(cfg, layer, rotary)
+        return self.attention_class(cfg, layer, rotary, bias)
 
 
 class Qwen3Moe(Qwen2Moe):
@@ -36,7 +36,7 @@ class Qwen3Moe(Qwen2Moe):
     architectures = ("Qwen3MoeForCausalLM",)
 
     def config(self, c):
-        refuse_unless(c, attention_bias=False, hidden_act="silu")
+        refuse_unless(c, attention_bias=False)
         # Published configs say num_experts; transformers' save_pretrained writes the name its
         # attribute map gives it, num_local_experts.
         experts = c.get("num_experts", c.get("num_local_experts"))

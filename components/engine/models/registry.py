@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from components.engine.models import deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe
+from components.engine.models import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 from components.engine.models.config import ConfigError, ModelConfig, read_json
 from components.engine.models.family import ModelFamily
 
@@ -16,6 +16,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     qwen3_moe.FAMILY,
     olmoe.FAMILY,
     deepseek_v3.FAMILY,
+    glm4_moe.FAMILY,
 )
 
 BY_ARCHITECTURE: dict[str, ModelFamily] = {a: f for f in FAMILIES for a in f.architectures}
