@@ -271,12 +271,13 @@ def main(argv=None) -> int:
 
 def kv_bytes(eng) -> dict[str, int]:
     """What the cache keeps a token, and for MLA what expanded per-head keys and values would."""
+    from components.engine.models.deepseek_v3 import DeepseekParams, expanded_kv_layout
     from components.engine.models.registry import family
 
-    mc, fam = eng.model_config, family(eng.model_config)
-    out = {"cache": fam.kv_layout(mc).bytes_per_token(mc.num_layers, eng.dtype.itemsize)}
-    if hasattr(fam, "expanded_kv_layout"):
-        out["expanded_heads"] = fam.expanded_kv_layout(mc).bytes_per_token(mc.num_layers, eng.dtype.itemsize)
+    mc, size = eng.model_config, eng.dtype.itemsize
+    out = {"cache": family(mc).kv_layout(mc).bytes_per_token(mc.num_layers, size)}
+    if isinstance(mc.params, DeepseekParams):
+        out["expanded_heads"] = expanded_kv_layout(mc).bytes_per_token(mc.num_layers, size)
     return out
 
 

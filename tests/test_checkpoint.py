@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from components.engine.models.checkpoint import Checkpoint, CheckpointError
 from components.engine.models.config import ConfigError, ModelConfig
+from components.engine.models.deepseek_v3 import expanded_kv_layout
 from components.engine.models.registry import config_from_dict, expected_tensors, family
 from harness.reference import make_checkpoint
 
@@ -408,7 +409,7 @@ def test_deepseek_v3_kimi_k2_and_moonlight_configs_are_read_as_published():
     # 192-dim keys and 128-dim values expanded: 1152 B against 81920 B a layer in bf16 (71x).
     layout = family(c).kv_layout(c)
     assert layout.bytes_per_token(61, 2) == 61 * 1152 == 70272
-    assert family(c).expanded_kv_layout(c).bytes_per_token(61, 2) == 61 * 128 * (192 + 128) * 2 == 4997120
+    assert expanded_kv_layout(c).bytes_per_token(61, 2) == 61 * 128 * (192 + 128) * 2 == 4997120
     k2, moon = config_from_dict(KIMI_K2), config_from_dict(MOONLIGHT)
     assert (k2.num_experts, k2.params.routing.n_group, k2.params.routing.routed_scaling_factor) == (384, 1, 2.827)
     assert moon.params.q_lora_rank == 0 and moon.params.yarn is None and moon.weight_block is None

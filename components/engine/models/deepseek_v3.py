@@ -393,10 +393,11 @@ class DeepseekV3:
         p: DeepseekParams = cfg.params
         return KVLayout(1, p.kv_lora_rank + p.qk_rope_head_dim, 0)
 
-    def expanded_kv_layout(self, cfg):
-        """The cache MLA avoids: every head's keys and values up-projected, as GQA would keep them."""
-        p: DeepseekParams = cfg.params
-        return KVLayout(cfg.num_heads, p.qk_nope_head_dim + p.qk_rope_head_dim, p.v_head_dim)
+
+def expanded_kv_layout(cfg: ModelConfig) -> KVLayout:
+    """The cache MLA avoids: every head's keys and values up-projected, as GQA would keep them."""
+    p: DeepseekParams = cfg.params
+    return KVLayout(cfg.num_heads, p.qk_nope_head_dim + p.qk_rope_head_dim, p.v_head_dim)
 
 
 FAMILY = DeepseekV3()
