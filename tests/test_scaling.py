@@ -778,3 +778,49 @@ def test_a_joiner_that_dies_every_time_aborts_the_scale_up_saying_so():
         "ScaleError: joiners [3] died during loading, after 2 retries (Router.joiner_retries): "
         "ScaleError: rank 3 died during loading"
     )
+
+
+def test_a_removal_retires_exactly_the_ranks_it_names():
+    """remove=[0] of ranks 0-2: rank 0 alone leaves by the scale-down's path (out of routing,
+    drained to the others, expert 3 that only it holds pulled from it into rank 2's duplicate
+    slot, a commit, its exit); ranks 1 and 2 keep their numbers and hold every expert."""
+
+    async def pulls(ranks: Ranks, rank: int, msg: m.PullWeights) -> m.ControlReply:
+        n = len(msg.items)
+        return m.ControlReply(ok=True, pull=PullStats(tensors=n, bytes=8 * n, seconds=0.1, per_source={}))
+
+    ranks = Ranks(pull=pulls)
+    op = Operation(
+        ScaleRequest(dp_size=2, remove=[0]),
+        Committed(epoch=1, active=[0, 1, 2], placement=balanced_placement(1, 4, 4, S, [0, 1, 2])),
+        [],
+        ranks,
+        ranks,
+        RouterConfig(rebalance=False, park_leaving=False),
+        max_ranks=4,
+        num_experts=4,
+    )
+    asyncio.run(op.execute(lambda: []))
+    assert (op.record.kind, op.record.phase, op.record.leaving, op.record.to_size) == ("down", "done", [0], 2)
+    assert op.topology.active == [1, 2]
+    assert op.topology.placement.slots == [[-1, -1, 1, 0, 2, 3, -1, -1]]
+    assert [(r, type(msg)) for r, msg in ranks.sent if isinstance(msg, (m.SetRoutable, m.Drain, m.Exit))] == [
+        (0, m.SetRoutable),
+        (0, m.Drain),
+        (0, m.Exit),
+    ]
+    assert ranks.messages(m.Drain, 0)[0].targets == [1, 2]  # its requests go to the ranks that stay
+    assert [(r, it.src_rank, it.src_name) for r, p in ranks.sent if isinstance(p, m.PullWeights) for it in p.items] == [
+        (2, 0, expert_slot_name(0, 1, part)) for part in ("gate", "up", "down")
+    ]
+
+
+def test_a_queued_removal_applies_to_the_ranks_that_still_serve():
+    """The API checked a removal against the active set it saw; a failover may have taken one of
+    its ranks out since."""
+    req = ScaleRequest(dp_size=2, remove=[1, 3])
+    assert Scaler._still_serving(req, [0, 1, 2, 3]) == req
+    assert Scaler._still_serving(req, [0, 1, 2]) == msgspec.structs.replace(req, remove=[1], dp_size=2)
+    assert Scaler._still_serving(req, [0, 2]) is None  # nothing of it left to do
+    assert Scaler._still_serving(req, [1, 3]) is None  # it would leave no rank
+    assert Scaler._still_serving(ScaleRequest(dp_size=3), [0, 1]) == ScaleRequest(dp_size=3)

@@ -125,8 +125,8 @@ class Scaler:
             elif failed:
                 req = ScaleRequest(dp_size=len(start.active) - len(failed))
             elif self.pending is not None:
-                req, self.pending = self.pending, None
-                if req.dp_size == len(start.active):
+                req, self.pending = self._still_serving(self.pending, start.active), None
+                if req is None or req.dp_size == len(start.active):
                     continue
             else:
                 continue
@@ -176,6 +176,23 @@ class Scaler:
             if masked and self.pending is None:
                 # The capacity provider replaces what failed: back to the size before.
                 self.pending = ScaleRequest(dp_size=len(start.active))
+
+    @staticmethod
+    def _still_serving(req: ScaleRequest, active: list[int]) -> ScaleRequest | None:
+        """`req` as it applies to the active set now: the API checked a removal against the set
+        it saw, which a failover may have changed since (a rank named that failed has left
+        already). None when nothing of it is left to do."""
+        if not req.remove:
+            return req
+        keep = [r for r in req.remove if r in active]
+        if keep != req.remove:
+            gone = sorted(set(req.remove) - set(keep))
+            log.warning("removal of ranks %s: ranks %s no longer serve", req.remove, gone)
+        if len(keep) == len(active):
+            log.warning("removal of ranks %s dropped: no rank would be left to serve", req.remove)
+        if not keep or len(keep) == len(active):
+            return None
+        return msgspec.structs.replace(req, remove=keep, dp_size=len(active) - len(keep))
 
     def _count_failure(self, op: Operation) -> None:
         """A failover or rebuild that failed doubles the pause before the next one (from
