@@ -6,7 +6,9 @@ gets alone. A removal the deployment cannot do is a 400 naming why, and changes 
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -98,3 +100,40 @@ def test_a_chosen_middle_rank_leaves_under_load_and_every_stream_goes_on(server,
     assert (up["phase"], up["joiners"], up["joined_from"]) == ("done", [1], {"1": "parked"}), up
     assert server.topology()["active"] == [0, 1, 2]
     assert server.stream_text(REQUESTS[-1], MAX_TOKENS, sampling=SAMPLING[-1]) == reference[-1]
+
+
+def test_a_removal_a_failover_came_between_still_leaves_the_deployment_at_its_size(server, reference):
+    """Rank 2 is SIGKILLed as rank 1's removal (3 -> 2) is asked: the removal gives way to rank
+    2's failover (or waits behind it), rank 2 is replaced first, and then rank 1 leaves: ranks 0
+    and 2 serve, the size the removal asked for. (The removal once ran straight after the
+    failover and left one rank.) Nothing is lost, every token is right, the next scale works."""
+    topo = server.topology()
+    assert topo["active"] == [0, 1, 2]
+    pid = next(v["pid"] for v in topo["ranks"] if v["rank"] == 2)
+    before = {op["id"] for op in server.control("GET", "/operations").json()}
+    with Traffic(server, REQUESTS, MAX_TOKENS, clients=6, sampling=SAMPLING) as traffic:
+        time.sleep(1.5)
+        os.kill(pid, signal.SIGKILL)
+        r = server.control("POST", "/scale", json={"remove": [1], "drain_timeout": 20})
+        assert r.status_code == 202 and r.json()["dp_size"] == 2, r.text
+        deadline = time.monotonic() + 180
+        while True:
+            ops = [op for op in server.control("GET", "/operations").json() if op["id"] not in before]
+            topo = server.topology()
+            if ops and ops[-1]["total_s"] is not None and not topo["scaling"]:
+                break
+            assert time.monotonic() < deadline, (ops, server.tail(80))
+            time.sleep(0.2)
+        time.sleep(1.0)
+    story = [(op["id"], op["phase"], op["leaving"], op["masked"], op["error"]) for op in ops]
+    assert topo["active"] == [0, 2], story
+    assert next(v["pid"] for v in topo["ranks"] if v["rank"] == 2) != pid  # a new rank 2
+    assert any(op["kind"] == "failover" and op["masked"] == [2] and op["phase"] == "done" for op in ops), story
+    up, last = ops[-2:]
+    assert (up["kind"], up["phase"], up["joiners"]) == ("up", "done", [2]), story
+    assert f"[op {up['id']}] removal of ranks [1] waits: ranks that failed since it was asked" in server.output
+    assert (last["kind"], last["phase"], last["leaving"], last["parked"]) == ("down", "done", [1], [1]), story
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(server, 3)["phase"] == "done"
+    assert server.topology()["active"] == [0, 1, 2]

@@ -816,11 +816,23 @@ def test_a_removal_retires_exactly_the_ranks_it_names():
 
 
 def test_a_queued_removal_applies_to_the_ranks_that_still_serve():
-    """The API checked a removal against the active set it saw; a failover may have taken one of
-    its ranks out since."""
+    """The API checked a removal of ranks 1 and 3 of 0-3 (to 2 ranks) against the active set it
+    saw; a failover may have changed that set since."""
     req = ScaleRequest(dp_size=2, remove=[1, 3])
-    assert Scaler._still_serving(req, [0, 1, 2, 3]) == req
-    assert Scaler._still_serving(req, [0, 1, 2]) == msgspec.structs.replace(req, remove=[1], dp_size=2)
-    assert Scaler._still_serving(req, [0, 2]) is None  # nothing of it left to do
-    assert Scaler._still_serving(req, [1, 3]) is None  # it would leave no rank
-    assert Scaler._still_serving(ScaleRequest(dp_size=3), [0, 1]) == ScaleRequest(dp_size=3)
+    scaler = Scaler(None, None, None, RouterConfig(), max_ranks=4)
+    assert scaler._removal_now(req, [0, 1, 2, 3]) == (req, "") and scaler.resume is None
+    # Rank 3 failed over: what is left is rank 1's removal.
+    assert scaler._removal_now(req, [0, 1, 2]) == (
+        msgspec.structs.replace(req, remove=[1], dp_size=2),
+        "removal of ranks [1, 3]: ranks [3] no longer serve",
+    )
+    # Both failed over: nothing is left to remove, and the deployment is at its size.
+    assert scaler._removal_now(req, [0, 2])[0] == msgspec.structs.replace(req, remove=[])
+    assert scaler.resume is None
+    # Rank 2 failed over: it is replaced first (rank 2 is the lowest free number while 1 and 3
+    # serve), then the removal runs.
+    assert scaler._removal_now(req, [0, 1, 3]) == (
+        ScaleRequest(dp_size=4),
+        "removal of ranks [1, 3] waits: ranks that failed since it was asked are replaced first (1)",
+    )
+    assert scaler.resume == req
