@@ -181,9 +181,14 @@ class Server:
         return self.ctl.get("/topology").json()
 
     def stream_text(
-        self, prompt: list[int], max_tokens: int, on_chunk: Callable[[float, float | None], None] | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        on_chunk: Callable[[float, float | None], None] | None = None,
+        sampling: dict | None = None,
     ) -> str:
-        """Greedy streaming completion of a token-id prompt; returns the generated text.
+        """Streaming completion of a token-id prompt, greedy unless `sampling` says otherwise
+        (e.g. {"temperature": 0.8, "seed": 7}); returns the generated text.
         `on_chunk(arrival time, gap since the previous chunk of this stream or None)`."""
         body = {
             "model": self.model,
@@ -192,6 +197,7 @@ class Server:
             "temperature": 0,
             "stream": True,
             "ignore_eos": True,
+            **(sampling or {}),
         }
         text, last = [], None
         with self.http.stream("POST", "/v1/completions", json=body) as r:
@@ -264,10 +270,11 @@ def engine_reference(
 
 
 class Traffic:
-    """Clients streaming greedy completions of `prompts` until stopped; every request is recorded
-    as (prompt index, text, start, end), every failure as (prompt index, error). `on_chunk` sees
-    every streamed chunk (Server.stream_text). A client waits `error_pause_s` after a failure
-    (an outage then costs a countable number of refused requests)."""
+    """Clients streaming completions of `prompts` until stopped, greedy unless `sampling[i]` says
+    how to sample prompt i; every request is recorded as (prompt index, text, start, end), every
+    failure as (prompt index, error). `on_chunk` sees every streamed chunk (Server.stream_text). A
+    client waits `error_pause_s` after a failure (an outage then costs a countable number of
+    refused requests)."""
 
     def __init__(
         self,
@@ -277,8 +284,10 @@ class Traffic:
         clients: int = 4,
         on_chunk: Callable[[float, float | None], None] | None = None,
         error_pause_s: float = 0.0,
+        sampling: list[dict | None] | None = None,
     ):
         self.srv, self.prompts, self.max_tokens, self.on_chunk = srv, prompts, max_tokens, on_chunk
+        self.sampling = sampling or [None] * len(prompts)
         self.error_pause_s = error_pause_s
         self.results, self.errors = [], []
         self.stop = threading.Event()
@@ -291,7 +300,7 @@ class Traffic:
             k += len(self.threads)
             t0 = time.time()
             try:
-                text = self.srv.stream_text(self.prompts[p], self.max_tokens, self.on_chunk)
+                text = self.srv.stream_text(self.prompts[p], self.max_tokens, self.on_chunk, self.sampling[p])
                 self.results.append((p, text, t0, time.time()))
             except Exception as e:  # recorded: tests assert there are none
                 self.errors.append((p, repr(e)))

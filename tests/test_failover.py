@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from components.worker.component import FAULT_ENV
-from harness.server import Server, Traffic, engine_reference, scale
+from harness.server import Server, Traffic, alive, engine_reference, scale
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
@@ -260,6 +260,88 @@ def test_a_serving_rank_killed_inside_a_commit_is_masked_out_by_the_rollback(ser
     assert output.count(abandoned) > seen_abandoned  # the survivors gave up on it at once
     assert output.count(timed_out) == seen_timeouts  # and never waited for it
     assert server.topology()["active"] == [0, 1, 2, 3]
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(server, 3)["phase"] == "done"
+
+
+def wait_until_idle_at(server: Server, active: list[int], before: set[str], deadline: float) -> list[dict]:
+    """The operations since `before`, once the deployment is idle with `active` serving."""
+    while True:
+        ops = [op for op in server.control("GET", "/operations").json() if op["id"] not in before]
+        topo = server.topology()
+        if ops and ops[-1]["total_s"] is not None and not topo["scaling"] and topo["active"] == active:
+            return ops
+        assert time.monotonic() < deadline, story(server, ops)
+        time.sleep(0.2)
+
+
+def test_two_serving_ranks_killed_at_once_are_both_failed_over_and_replaced(server, reference):
+    """Ranks 1 and 2 of four SIGKILLed in the same instant under load: both are masked out (by
+    one failover, or by a failover that gives way to the second and the one after it), the
+    survivors serve on, and the deployment is back at four ranks. Every stream ends with the
+    tokens the same request gets alone (those on the dead ranks re-run by the frontend), nothing
+    is lost, and the next scale works."""
+    assert scale(server, 4)["phase"] == "done"
+    pids, before = [pid_of(server, r) for r in (1, 2)], operation_ids(server)
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        time.sleep(2.0)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        ops = wait_until_idle_at(server, [0, 1, 2, 3], before, time.monotonic() + 180)
+        time.sleep(1.0)
+    failovers = [op for op in ops if op["kind"] == "failover"]
+    assert failovers and failovers[-1]["phase"] == "done", story(server, ops)
+    masked = {r for op in ops for r in op["masked"]}
+    assert masked == {1, 2}, story(server, ops)
+    assert ops[-1]["kind"] == "up" and ops[-1]["phase"] == "done" and ops[-1]["to_size"] == 4, story(server, ops)
+    assert all(pid_of(server, r) != pid for r, pid in zip((1, 2), pids))  # new processes took 1 and 2
+    assert not any(map(alive, pids))
+    assert traffic.errors == []
+    assert any(t0 < failovers[-1]["committed_at"] < t1 for _, _, t0, t1 in traffic.results)  # streams ran across it
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(server, 3)["phase"] == "done"
+
+
+def test_a_source_killed_mid_transfer_is_masked_out_and_its_reads_come_from_the_others(server, reference):
+    """A scale-up 3 -> 4 whose joiner, its pull under way (its first READ posted), holds the
+    READs from its other sources back (injected): one of those sources is SIGKILLed then. The
+    joiner's READs from it fail (or it was told to drop it first), the scale-up masks it out
+    itself and reads what it was to send from the survivors, and ends done at three; a scale-up
+    then replaces the dead rank. Nothing is lost, every token is right, no wedge."""
+    assert server.topology()["active"] == [0, 1, 2]
+    before = operation_ids(server)
+    stalled = re.compile(
+        r"injected fault: stalling mid-pull [\d.]+ s: READ from rank (\d+) posted, from ranks \[([\d, ]+)\] not yet"
+    )
+    seen = len(stalled.findall(server.output))
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        time.sleep(1.0)
+        r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_mid_pull=5"})
+        assert r.status_code == 202, r.text
+        deadline = time.monotonic() + 120
+        while len(found := stalled.findall(server.output)) == seen:
+            assert time.monotonic() < deadline, server.tail(60)
+            time.sleep(0.02)
+        first, waiting = int(found[-1][0]), [int(w) for w in found[-1][1].split(", ")]
+        victim = waiting[0]
+        os.kill(pid_of(server, victim), signal.SIGKILL)
+        ops = wait_until_idle_at(server, [0, 1, 2, 3], before, deadline + 120)
+        time.sleep(1.0)
+    assert len(ops) == 2, story(server, ops)
+    up, again = ops
+    survivors = sorted({0, 1, 2} - {victim})
+    assert (up["kind"], up["phase"], up["error"], up["joiners"]) == ("up", "done", "", [3]), story(server, ops)
+    assert up["masked"] == [victim] and up["failover_committed_at"] is not None, up
+    losses = up["pull_losses"]
+    assert losses and {(loss["rank"], loss["source"]) for loss in losses} == {(3, victim)}, losses
+    for loss in losses:
+        assert f"rank {victim}" in loss["reason"], loss
+        assert loss["repulled_from"] and {int(r) for r in loss["repulled_from"]} <= set(survivors), loss
+        assert sorted(n for names in loss["repulled_from"].values() for n in names) == sorted(loss["items"]), loss
+    assert first in survivors
+    assert (again["kind"], again["from_size"], again["to_size"], again["phase"]) == ("up", 3, 4, "done"), again
+    assert again["joiners"] == [victim]
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
     assert scale(server, 3)["phase"] == "done"

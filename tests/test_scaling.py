@@ -778,3 +778,61 @@ def test_a_joiner_that_dies_every_time_aborts_the_scale_up_saying_so():
         "ScaleError: joiners [3] died during loading, after 2 retries (Router.joiner_retries): "
         "ScaleError: rank 3 died during loading"
     )
+
+
+def test_a_removal_retires_exactly_the_ranks_it_names():
+    """remove=[0] of ranks 0-2: rank 0 alone leaves by the scale-down's path (out of routing,
+    drained to the others, expert 3 that only it holds pulled from it into rank 2's duplicate
+    slot, a commit, its exit); ranks 1 and 2 keep their numbers and hold every expert."""
+
+    async def pulls(ranks: Ranks, rank: int, msg: m.PullWeights) -> m.ControlReply:
+        n = len(msg.items)
+        return m.ControlReply(ok=True, pull=PullStats(tensors=n, bytes=8 * n, seconds=0.1, per_source={}))
+
+    ranks = Ranks(pull=pulls)
+    op = Operation(
+        ScaleRequest(dp_size=2, remove=[0]),
+        Committed(epoch=1, active=[0, 1, 2], placement=balanced_placement(1, 4, 4, S, [0, 1, 2])),
+        [],
+        ranks,
+        ranks,
+        RouterConfig(rebalance=False, park_leaving=False),
+        max_ranks=4,
+        num_experts=4,
+    )
+    asyncio.run(op.execute(lambda: []))
+    assert (op.record.kind, op.record.phase, op.record.leaving, op.record.to_size) == ("down", "done", [0], 2)
+    assert op.topology.active == [1, 2]
+    assert op.topology.placement.slots == [[-1, -1, 1, 0, 2, 3, -1, -1]]
+    assert [(r, type(msg)) for r, msg in ranks.sent if isinstance(msg, (m.SetRoutable, m.Drain, m.Exit))] == [
+        (0, m.SetRoutable),
+        (0, m.Drain),
+        (0, m.Exit),
+    ]
+    assert ranks.messages(m.Drain, 0)[0].targets == [1, 2]  # its requests go to the ranks that stay
+    assert [(r, it.src_rank, it.src_name) for r, p in ranks.sent if isinstance(p, m.PullWeights) for it in p.items] == [
+        (2, 0, expert_slot_name(0, 1, part)) for part in ("gate", "up", "down")
+    ]
+
+
+def test_a_queued_removal_applies_to_the_ranks_that_still_serve():
+    """The API checked a removal of ranks 1 and 3 of 0-3 (to 2 ranks) against the active set it
+    saw; a failover may have changed that set since."""
+    req = ScaleRequest(dp_size=2, remove=[1, 3])
+    scaler = Scaler(None, None, None, RouterConfig(), max_ranks=4)
+    assert scaler._removal_now(req, [0, 1, 2, 3]) == (req, "") and scaler.resume is None
+    # Rank 3 failed over: what is left is rank 1's removal.
+    assert scaler._removal_now(req, [0, 1, 2]) == (
+        msgspec.structs.replace(req, remove=[1], dp_size=2),
+        "removal of ranks [1, 3]: ranks [3] no longer serve",
+    )
+    # Both failed over: nothing is left to remove, and the deployment is at its size.
+    assert scaler._removal_now(req, [0, 2])[0] == msgspec.structs.replace(req, remove=[])
+    assert scaler.resume is None
+    # Rank 2 failed over: it is replaced first (rank 2 is the lowest free number while 1 and 3
+    # serve), then the removal runs.
+    assert scaler._removal_now(req, [0, 1, 3]) == (
+        ScaleRequest(dp_size=4),
+        "removal of ranks [1, 3] waits: ranks that failed since it was asked are replaced first (1)",
+    )
+    assert scaler.resume == req

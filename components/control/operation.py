@@ -175,7 +175,11 @@ class Operation:
         self.t0 = time.monotonic()
         self._phase_t0 = self.t0
         self.phase = Phase.QUEUED
-        self.leaving = self.failed or (sorted(topology.active)[req.dp_size :] if kind == "down" else [])
+        # The ranks asked to leave, else the highest. Survivors keep their numbers: a rank's
+        # number owns its expert slots and EP window, so the active set may have gaps (as after a
+        # failover), and the next scale-up fills the lowest free numbers first.
+        down = (sorted(req.remove) or sorted(topology.active)[req.dp_size :]) if kind == "down" else []
+        self.leaving = self.failed or down
         self.record = OpRecord(
             id=self.id,
             kind=kind,
@@ -777,7 +781,8 @@ class Operation:
         if req.mode is ScaleMode.BLOCKING:
             # Blocking: serving stops first; the leaving ranks' requests move at once and wait.
             await self.pause_all()
-        self.transition(Phase.DRAINING, f"ranks {self.leaving} out of routing")
+        asked = " (removed as asked)" if req.remove else ""
+        self.transition(Phase.DRAINING, f"ranks {self.leaving}{asked} out of routing")
         await self.call(self.leaving, lambda r: SetRoutable(routable=False))
         drain_s = 0.0 if req.mode is ScaleMode.BLOCKING else req.drain_timeout_s
         # Handed-over requests go to remaining ranks by name: a routing table that still lists a

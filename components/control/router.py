@@ -98,7 +98,8 @@ class ControlError(RuntimeError):
 class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
     """POST /scale. Unknown fields are refused: a misspelt option must not fall back to a default."""
 
-    dp_size: int
+    dp_size: int | msgspec.UnsetType = msgspec.UNSET
+    remove: list[int] | msgspec.UnsetType = msgspec.UNSET  # ranks to retire, instead of a dp_size
     mode: str = "C"
     drain_timeout: float | None = None  # seconds; default Router.drain_timeout_s
     fault: str = ""
@@ -565,7 +566,14 @@ class RouterService:
             b = msgspec.convert(raw, body_type)
         except msgspec.ValidationError as e:
             raise ValueError(str(e)) from None
+        remove = getattr(b, "remove", msgspec.UNSET)
         n = getattr(b, field)
+        if remove is not msgspec.UNSET:
+            if n is not msgspec.UNSET:
+                raise ValueError("give dp_size or remove, not both")
+            n = self.size_without(remove)
+        elif n is msgspec.UNSET:
+            raise ValueError("Object missing required field `dp_size` (or `remove`)")
         lo, hi = self.wcfg.min_ranks, self.wcfg.max_ranks
         if n < lo:
             raise ValueError(f"{field} must be at least {lo} (Worker.min_ranks), got {n}")
@@ -581,7 +589,26 @@ class RouterService:
         drain = self.cfg.drain_timeout_s if b.drain_timeout is None else b.drain_timeout
         if not 0 <= drain <= 24 * 3600:
             raise ValueError(f"drain_timeout must be in 0..86400 seconds, got {drain!r}")
-        return ScaleRequest(dp_size=n, mode=mode, drain_timeout_s=float(drain), fault=fault)
+        remove = sorted(remove) if remove is not msgspec.UNSET else []
+        return ScaleRequest(dp_size=n, remove=remove, mode=mode, drain_timeout_s=float(drain), fault=fault)
+
+    def size_without(self, remove: list[int]) -> int:
+        """The DP size once the ranks `remove` names left, or ValueError saying why they cannot."""
+        active, lo = self.active, self.wcfg.min_ranks
+        if not remove:
+            raise ValueError("remove names no rank")
+        twice = sorted({r for r in remove if remove.count(r) > 1})
+        if twice:
+            raise ValueError(f"remove names rank {twice[0]} more than once")
+        absent = [r for r in remove if r not in active]
+        if absent:
+            raise ValueError(f"remove: rank {absent[0]} is not active (active ranks: {active})")
+        left = len(active) - len(remove)
+        if left == 0:
+            raise ValueError(f"remove names every active rank {active}: at least one must stay")
+        if left < lo:
+            raise ValueError(f"remove would leave {left} of {len(active)} ranks, fewer than Worker.min_ranks {lo}")
+        return left
 
     def app(self) -> web.Application:
         def error(status: int, message: str):
@@ -634,7 +661,7 @@ class RouterService:
             field = body_type.__struct_fields__[0]
             queued = self.scaler.pending or (self.scaler.current.req if self.scaler.current else None)
             now = queued.dp_size if queued else len(self.active)
-            if req.dp_size == now:
+            if req.dp_size == now and not req.remove:  # a removal changes which ranks serve
                 return None, error(409, f"{field} is already {now}" + (" (queued)" if queued else ""))
             self.scaler.request(req)
             return req, None
@@ -650,7 +677,8 @@ class RouterService:
                 return web.Response(
                     body=msgspec.json.encode(rec), content_type="application/json", status=200 if ok else 500
                 )
-            return web.json_response({"accepted": True, "dp_size": req.dp_size, "mode": req.mode.value}, status=202)
+            accepted = {"accepted": True, "dp_size": req.dp_size, "mode": req.mode.value}
+            return web.json_response(accepted | ({"remove": req.remove} if req.remove else {}), status=202)
 
         async def scale_elastic_ep(request):
             # vLLM's API: blocks until the deployment reached the size.

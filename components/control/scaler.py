@@ -38,6 +38,7 @@ class Scaler:
         self.owner, self.port, self.provider, self.cfg, self.max_ranks = owner, port, provider, cfg, max_ranks
         self.journal = journal
         self.pending: ScaleRequest | None = None
+        self.resume: ScaleRequest | None = None  # a removal waiting for the scale-up before it
         self.failing: set[int] = set()  # serving ranks found dead, not yet failed over
         # Every serving rank failed: the size to rebuild the deployment at, until a rebuild is done.
         self.lost_size: int | None = None
@@ -64,7 +65,7 @@ class Scaler:
         return self.lost_size is not None
 
     def request(self, req: ScaleRequest) -> None:
-        self.pending = req  # the latest target wins over one still queued
+        self.pending, self.resume = req, None  # the latest target wins over one still queued
         self._idle.clear()
         self._wake.set()
 
@@ -115,18 +116,22 @@ class Scaler:
                 self.wanted = len(start.active)
             self.failing &= set(start.active)  # a rank that no longer serves needs no failover
             failed = sorted(self.failing)
+            note = ""  # what became of a removal the API took (_removal_now)
             if self.lost or not set(start.active) - self.failing:
                 # Nothing to fail over to: rebuilt at the size it had, or one asked for since.
                 size = self.pending.dp_size if self.pending else self.lost_size or self.wanted
                 if not self.lost:
                     log.error("every serving rank failed (%s): rebuilding the deployment at %d ranks", failed, size)
-                self.lost_size, self.pending = size, None
+                self.lost_size, self.pending, self.resume = size, None, None
                 req = ScaleRequest(dp_size=size)
             elif failed:
                 req = ScaleRequest(dp_size=len(start.active) - len(failed))
             elif self.pending is not None:
                 req, self.pending = self.pending, None
+                req, note = self._removal_now(req, start.active) if req.remove else (req, "")
                 if req.dp_size == len(start.active):
+                    if note:
+                        log.warning("%s: nothing left to do", note)
                     continue
             else:
                 continue
@@ -143,6 +148,8 @@ class Scaler:
                 on_change=self._journal,
             )
             self.current = op
+            if note:
+                log.warning("[op %s] %s", op.id, note)
             if op.record.kind == "rebuild":  # it fences them now, and its new ranks may take their numbers
                 self.failing -= set(failed)
             self.history.append(op.record)
@@ -176,6 +183,37 @@ class Scaler:
             if masked and self.pending is None:
                 # The capacity provider replaces what failed: back to the size before.
                 self.pending = ScaleRequest(dp_size=len(start.active))
+            self._resume_removal(op)
+
+    def _removal_now(self, req: ScaleRequest, active: list[int]) -> tuple[ScaleRequest, str]:
+        """What to run now of a removal, and what became of it if that is not the removal as
+        asked. The API checked it against the active set it saw, and its dp_size is the size it
+        leaves; a failover may have come between. A rank it names that failed has left already;
+        other ranks that failed are replaced first (by numbers other than the leaving ones:
+        after the removal the lowest free number would be a leaver's), the removal waiting in
+        `resume` until that scale-up is done."""
+        keep = [r for r in req.remove if r in active]
+        gone = sorted(set(req.remove) - set(keep))
+        note = f"removal of ranks {req.remove}: ranks {gone} no longer serve" if gone else ""
+        if not keep:
+            return msgspec.structs.replace(req, remove=[]), note  # to its size, without them
+        short = req.dp_size - (len(active) - len(keep))
+        if short > 0:
+            self.resume = msgspec.structs.replace(req, remove=keep)
+            why = f"removal of ranks {keep} waits: ranks that failed since it was asked are replaced first ({short})"
+            return ScaleRequest(dp_size=len(active) + short, mode=req.mode), why
+        return msgspec.structs.replace(req, remove=keep, dp_size=len(active) - len(keep)), note
+
+    def _resume_removal(self, op: Operation) -> None:
+        """A scale-up a removal waited for (`_removal_now`) ended: the removal runs next once it
+        is done; while it is tried again it waits on; otherwise it is dropped, saying so."""
+        if self.resume is None or op.record.kind != "up" or self.pending is not None:
+            return
+        if op.record.phase == "done":
+            self.pending = self.resume
+        else:
+            log.warning("[op %s] the removal of ranks %s is dropped: %s", op.id, self.resume.remove, op.record.error)
+        self.resume = None
 
     def _count_failure(self, op: Operation) -> None:
         """A failover or rebuild that failed doubles the pause before the next one (from

@@ -51,6 +51,9 @@ class Committed(msgspec.Struct, frozen=True):
 
 class ScaleRequest(msgspec.Struct, frozen=True):
     dp_size: int
+    # The ranks to retire, chosen (a node being drained); dp_size is then the size without them.
+    # Empty: a scale-down retires the highest ranks.
+    remove: list[int] = []
     mode: ScaleMode = ScaleMode.PREPARE_ASYNC_REUSE_GRAPHS
     drain_timeout_s: float = 30.0
     fault: str = ""  # injected into joiners; only honoured with Router.allow_fault_injection

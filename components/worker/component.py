@@ -59,12 +59,15 @@ class Faults(msgspec.Struct, frozen=True):
     Set only by a router whose `allow_fault_injection` is on (or by a test, in the environment of
     the ranks a graph starts with), through ELASTIC_EP_FAULT:
     `exit_on=<command tag>`, `corrupt_pull`, `stall_on=<command tag>,stall_s=<seconds>` (the
-    command is answered that much later: a window for a fault elsewhere, or a missed deadline)."""
+    command is answered that much later: a window for a fault elsewhere, or a missed deadline),
+    `stall_mid_pull=<seconds>` (the first pull with READs from several sources holds the later
+    ones back that long once the first is posted: a window to kill a source mid-transfer)."""
 
     exit_on: str = ""
     corrupt_pull: bool = False
     stall_on: str = ""
     stall_s: float = 0.0
+    stall_mid_pull: float = 0.0
 
     @classmethod
     def from_env(cls) -> Faults:

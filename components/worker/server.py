@@ -417,7 +417,8 @@ class RankServer:
         pull has brought the rest."""
         from components.engine.weights.store import WeightTransferError
 
-        stats = await asyncio.to_thread(self.store.pull, msg.items, msg.sources, partial=True, op=msg.op)
+        posted = self.stall_mid_pull(msg.op) if self.faults.stall_mid_pull else None
+        stats = await asyncio.to_thread(self.store.pull, msg.items, msg.sources, partial=True, op=msg.op, posted=posted)
         if self.faults.corrupt_pull:
             self.note(msg.op, "injected fault: corrupting a pulled tensor", logging.ERROR)
             name = msg.items[0].dst_name
@@ -455,6 +456,20 @@ class RankServer:
         if not stats.lost:
             self.advance(msg, RankState.LOADED, f"weights pulled from ranks {sorted(stats.per_source)}")
         return ControlReply(ok=True, pull=stats, seconds=stats.seconds)
+
+    def stall_mid_pull(self, op: str):
+        """The injected fault `stall_mid_pull`: once this pull's first READ is posted, the READs
+        from the other sources wait (once per process; the re-pull of what was lost does not)."""
+
+        def posted(src: int, waiting: list[int]) -> None:
+            if not waiting or not self.faults.stall_mid_pull:
+                return
+            stall_s, self.faults = self.faults.stall_mid_pull, msgspec.structs.replace(self.faults, stall_mid_pull=0.0)
+            what = f"READ from rank {src} posted, from ranks {waiting} not yet"
+            self.note(op, f"injected fault: stalling mid-pull {stall_s:.1f} s: {what}", logging.ERROR)
+            time.sleep(stall_s)
+
+        return posted
 
     # Changes nothing but which sources this rank's pulls read from: allowed in any state.
     @handles(DropSources, ANY_STATE)

@@ -331,6 +331,7 @@ class WeightStore:
         use_ipc: bool = True,
         partial: bool = False,
         op: str = "-",
+        posted: Callable[[int, list[int]], None] | None = None,
     ) -> PullStats:
         """READ each item's source tensor into self.tensors[dst_name], then verify every checksum.
 
@@ -339,7 +340,9 @@ class WeightStore:
         transfer. Raises WeightTransferError naming the tensor and source rank for a mismatch, a
         failed, dropped or timed-out source, or a bad checksum; with `partial`, a source that
         fails, is dropped or times out is given up on instead: its items come back in
-        `PullStats.lost`, and the rest is pulled and verified."""
+        `PullStats.lost`, and the rest is pulled and verified. `posted(source, waiting)` is called
+        after each READ is posted, with the sources whose READs are still to post (a fault
+        injected there holds the pull mid-transfer)."""
         t_start = time.monotonic()
         deadline = t_start + timeout_s
         with self._pull_lock:
@@ -390,6 +393,7 @@ class WeightStore:
                 progress,
                 timeout_s,
                 checks.start,
+                posted,
             )
             lost.update(failed)
             for r in lost:
@@ -614,7 +618,7 @@ class WeightStore:
         if m.agent in self._nixl.peers:
             self._nixl.forget_peer(m.agent)
 
-    def _run(self, plan, sources, deadline, done_bytes, total, progress, timeout_s, landed):
+    def _run(self, plan, sources, deadline, done_bytes, total, progress, timeout_s, landed, posted=None):
         """Post every READ of `plan`, then wait for them; `done_bytes` of `total` are in already.
         `landed(items)` is called with the items of each request once they are all in. Returns the
         requests and the sources that failed, timed out or were dropped meanwhile, each with why;
@@ -634,7 +638,7 @@ class WeightStore:
                 except Exception:
                     log.exception("%s: progress callback failed", self.name)
 
-        for x in queue:
+        for i, x in enumerate(queue):
             if x.src in failed:
                 x.state = "ERR"
                 continue
@@ -660,6 +664,8 @@ class WeightStore:
                 done_bytes += x.nbytes
                 landed(x.items)
                 report()
+            if posted is not None:
+                posted(x.src, sorted({y.src for y in queue[i + 1 :]}))
 
         pending = [x for x in queue if x.state == "PROC"]
         spins = 0
