@@ -181,9 +181,14 @@ class Server:
         return self.ctl.get("/topology").json()
 
     def stream_text(
-        self, prompt: list[int], max_tokens: int, on_chunk: Callable[[float, float | None], None] | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        on_chunk: Callable[[float, float | None], None] | None = None,
+        sampling: dict | None = None,
     ) -> str:
-        """Greedy streaming completion of a token-id prompt; returns the generated text.
+        """Streaming completion of a token-id prompt, greedy unless `sampling` (OpenAI fields:
+        temperature, top_p, seed) says otherwise; returns the generated text.
         `on_chunk(arrival time, gap since the previous chunk of this stream or None)`."""
         body = {
             "model": self.model,
@@ -192,6 +197,7 @@ class Server:
             "temperature": 0,
             "stream": True,
             "ignore_eos": True,
+            **(sampling or {}),
         }
         text, last = [], None
         with self.http.stream("POST", "/v1/completions", json=body) as r:
@@ -247,27 +253,37 @@ def tokenizer():
 
 
 def engine_reference(
-    prompts: list[list[int]], max_tokens: int, max_len: int = 0, device: str = "cpu", model_dir: Path | None = None
+    prompts: list[list[int]],
+    max_tokens: int,
+    max_len: int = 0,
+    device: str = "cpu",
+    model_dir: Path | None = None,
+    sampling: list[dict] | None = None,
 ) -> list[str]:
     """Greedy output of the single-rank in-process engine on `model_dir` (the built-in model if
-    None), as text."""
+    None), as text. `sampling`: each prompt's sampling options (GenerateRequest's temperature,
+    top_p, seed; {} greedy), each prompt then run alone, as the same request sent by itself."""
     from components.engine.models.builtin import builtin_model_dir
     from harness.reference import generate, single_rank
 
     eng = single_rank(model_dir or builtin_model_dir(), device=device, max_len=max_len)
     eng.start()
     try:
-        tokens, _ = generate(eng, prompts, max_tokens, ignore_eos=True)
+        if sampling is None:
+            tokens, _ = generate(eng, prompts, max_tokens, ignore_eos=True)
+        else:
+            tokens = [generate(eng, [p], max_tokens, ignore_eos=True, **s)[0][0] for p, s in zip(prompts, sampling)]
     finally:
         eng.stop()
     return [tokenizer().decode(t, skip_special_tokens=True) for t in tokens]
 
 
 class Traffic:
-    """Clients streaming greedy completions of `prompts` until stopped; every request is recorded
-    as (prompt index, text, start, end), every failure as (prompt index, error). `on_chunk` sees
-    every streamed chunk (Server.stream_text). A client waits `error_pause_s` after a failure
-    (an outage then costs a countable number of refused requests)."""
+    """Clients streaming completions of `prompts` until stopped, greedy unless `sampling` gives a
+    prompt its options (Server.stream_text); every request is recorded as (prompt index, text,
+    start, end), every failure as (prompt index, error). `on_chunk` sees every streamed chunk. A
+    client waits `error_pause_s` after a failure (an outage then costs a countable number of
+    refused requests)."""
 
     def __init__(
         self,
@@ -277,9 +293,10 @@ class Traffic:
         clients: int = 4,
         on_chunk: Callable[[float, float | None], None] | None = None,
         error_pause_s: float = 0.0,
+        sampling: list[dict] | None = None,
     ):
         self.srv, self.prompts, self.max_tokens, self.on_chunk = srv, prompts, max_tokens, on_chunk
-        self.error_pause_s = error_pause_s
+        self.error_pause_s, self.sampling = error_pause_s, sampling
         self.results, self.errors = [], []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
@@ -291,7 +308,8 @@ class Traffic:
             k += len(self.threads)
             t0 = time.time()
             try:
-                text = self.srv.stream_text(self.prompts[p], self.max_tokens, self.on_chunk)
+                sampling = self.sampling[p] if self.sampling else None
+                text = self.srv.stream_text(self.prompts[p], self.max_tokens, self.on_chunk, sampling)
                 self.results.append((p, text, t0, time.time()))
             except Exception as e:  # recorded: tests assert there are none
                 self.errors.append((p, repr(e)))
