@@ -96,6 +96,8 @@ class Injected:
 
 
 class Soak:
+    """One graph's soak: the size it should be at, its faults, and how each is measured."""
+
     def __init__(self, srv: Server, args, rng: random.Random):
         self.srv, self.args, self.rng = srv, args, rng
         self.target = args.start_size
@@ -278,6 +280,7 @@ class Soak:
         again, gap = self.pause(inj.t, end)
         ops = new_ops(self.srv, before)
         row |= {
+            "t_s": round(inj.t - self.t0, 2),  # the fault itself (a router fault may wait for its turn)
             "params": inj.params,
             "target": inj.target,
             "detected_s": detected,
