@@ -121,14 +121,16 @@ def serving_rank(sig: int) -> Callable[[Server, argparse.Namespace], dict]:
     return run
 
 
-def kill_rank_1_mid_scale_up(srv: Server, args, command: str, stall_s: float) -> tuple[set[str], float]:
-    """Scale 3 -> 4 whose joiner holds `command` back `stall_s` (injected); SIGKILL rank 1 as the
-    joiner starts to hold it. Returns the operations before and when rank 1 was killed."""
-    before, pid = op_ids(srv), rank_pid(srv, 1)
-    r = srv.control("POST", "/scale", json={"dp_size": 4, "fault": f"stall_on={command},stall_s={stall_s}"})
+def kill_rank_mid_scale_up(
+    srv: Server, args, command: str, stall_s: float, rank: int = 1, size: int = 4
+) -> tuple[set[str], float]:
+    """Scale up to `size` with joiners that hold `command` back `stall_s` (injected); SIGKILL
+    `rank` as a joiner starts to hold it. Returns the operations before and when it was killed."""
+    before, pid, seen = op_ids(srv), rank_pid(srv, rank), len(srv.output)
+    r = srv.control("POST", "/scale", json={"dp_size": size, "fault": f"stall_on={command},stall_s={stall_s}"})
     assert r.status_code == 202, r.text
     deadline = time.monotonic() + args.timeout_s
-    while f"injected fault: stalling {command}" not in srv.output:
+    while f"injected fault: stalling {command}" not in srv.output[seen:]:
         assert time.monotonic() < deadline, srv.tail(60)
         time.sleep(0.02)
     t = time.time()
@@ -140,7 +142,7 @@ def serving_rank_killed_mid_scale_up(srv: Server, args) -> dict:
     """Rank 1 killed while a scale-up 3 -> 4's joiner warms up alone (held back 5 s): the
     scale-up gives way (aborts), the failover of rank 1 runs, then the scale-up runs again (to
     4, replacing rank 1 too: "replaced")."""
-    before, t = kill_rank_1_mid_scale_up(srv, args, "warmup", 5.0)
+    before, t = kill_rank_mid_scale_up(srv, args, "warmup", 5.0)
     measured = wait_failover(srv, 1, before, t, args.timeout_s)
     up = next(op for op in measured["operations"] if op["kind"] == "up")
     measured["scale_up"] = f"{up['phase']} in {list(up['phases'])[-1]}: {up['error']}"
@@ -152,7 +154,7 @@ def source_killed_mid_pull(srv: Server, args) -> dict:
     ranks it reads from: the scale-up masks rank 1 out itself ("recovered": that commit) and
     re-pulls what rank 1 was to send from the survivors, and ends done; a scale-up then replaces
     rank 1 ("replaced"). Detected: the router's verdict on rank 1."""
-    before, t = kill_rank_1_mid_scale_up(srv, args, "pull_weights", 1.0)
+    before, t = kill_rank_mid_scale_up(srv, args, "pull_weights", 1.0)
     deadline = time.monotonic() + args.timeout_s
     ops = new_ops(srv, before)
     while time.monotonic() < deadline:
@@ -177,19 +179,27 @@ def source_killed_mid_pull(srv: Server, args) -> dict:
     }
 
 
-def leaving_rank_killed(srv: Server, args) -> dict:
-    """Scale 3 -> 2 with a long drain; SIGKILL rank 2 once it is out of routing and draining."""
-    before, pid = op_ids(srv), rank_pid(srv, 2)
-    r = srv.control("POST", "/scale", json={"dp_size": 2, "drain_timeout": 30})
+def kill_leaving_rank(srv: Server, args, size: int) -> tuple[set[str], float, int]:
+    """Scale down by one with a long drain; SIGKILL the leaving rank (the highest) once it is out
+    of routing and draining. Returns the operations before, when it was killed and its rank."""
+    rank = max(srv.topology()["active"])
+    before, pid = op_ids(srv), rank_pid(srv, rank)
+    r = srv.control("POST", "/scale", json={"dp_size": size - 1, "drain_timeout": 30})
     assert r.status_code == 202, r.text
     deadline = time.monotonic() + args.timeout_s
     while time.monotonic() < deadline:
-        if next(v["state"] for v in srv.topology()["ranks"] if v["rank"] == 2) == "LEAVING":
+        if next(v["state"] for v in srv.topology()["ranks"] if v["rank"] == rank) == "LEAVING":
             break
         time.sleep(0.01)
     t = time.time()
     os.kill(pid, signal.SIGKILL)
-    return wait_failover(srv, 2, before, t, args.timeout_s)
+    return before, t, rank
+
+
+def leaving_rank_killed(srv: Server, args) -> dict:
+    """Scale 3 -> 2 with a long drain; SIGKILL rank 2 once it is out of routing and draining."""
+    before, t, rank = kill_leaving_rank(srv, args, 3)
+    return wait_failover(srv, rank, before, t, args.timeout_s)
 
 
 def every_serving_rank_killed(srv: Server, args) -> dict:
@@ -283,13 +293,16 @@ def joiner_killed(command: str) -> Callable[[Server, argparse.Namespace], dict]:
 LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ [\w.]+: (.*)$")
 
 
-def log_time(srv: Server, message: str) -> float:
+def log_time(srv: Server, message: str, after: float | None = None) -> float:
     """When a component last logged a line whose message matches `message` (unix time; Python
-    logging writes local time)."""
-    for line in reversed(srv.output.splitlines()):
+    logging writes local time); with `after`, the first such line from that time on."""
+    lines = srv.output.splitlines()
+    for line in lines if after is not None else reversed(lines):
         m = LOG_TIME.search(line)
         if m and re.search(message, m.group(2)):
-            return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if after is None or t >= after - 0.001:  # the log's clock has milliseconds
+                return t
     raise AssertionError(f"no log line matches {message!r}")
 
 

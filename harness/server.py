@@ -253,17 +253,26 @@ def tokenizer():
 
 
 def engine_reference(
-    prompts: list[list[int]], max_tokens: int, max_len: int = 0, device: str = "cpu", model_dir: Path | None = None
+    prompts: list[list[int]],
+    max_tokens: int,
+    max_len: int = 0,
+    device: str = "cpu",
+    model_dir: Path | None = None,
+    sampling: list[dict] | None = None,
 ) -> list[str]:
     """Greedy output of the single-rank in-process engine on `model_dir` (the built-in model if
-    None), as text."""
+    None), as text. `sampling`: each prompt's sampling options (GenerateRequest's temperature,
+    top_p, seed; {} greedy), each prompt then run alone, as the same request sent by itself."""
     from components.engine.models.builtin import builtin_model_dir
     from harness.reference import generate, single_rank
 
     eng = single_rank(model_dir or builtin_model_dir(), device=device, max_len=max_len)
     eng.start()
     try:
-        tokens, _ = generate(eng, prompts, max_tokens, ignore_eos=True)
+        if sampling is None:
+            tokens, _ = generate(eng, prompts, max_tokens, ignore_eos=True)
+        else:
+            tokens = [generate(eng, [p], max_tokens, ignore_eos=True, **s)[0][0] for p, s in zip(prompts, sampling)]
     finally:
         eng.stop()
     return [tokenizer().decode(t, skip_special_tokens=True) for t in tokens]
