@@ -13,8 +13,8 @@ attention of 1 KV head, keys [c, k_rope], values c (a view of the same rows). Th
 Routing. Scores are sigmoid(router logits) in fp32; `e_score_correction_bias` is added for the
 choice only: with n_group groups, the best `topk_group` groups by the sum of their two best biased
 scores stay, top_k experts are chosen among them, and their unbiased scores, renormalised
-(norm_topk_prob), times routed_scaling_factor, weigh them. The CUDA routing kernel does softmax
-top-k, so these layers dispatch in torch ops on every device (SparseMoE.fused_route).
+(norm_topk_prob), times routed_scaling_factor, weigh them. On CUDA the routing kernel computes
+it (kernels.routing's GroupedSigmoid scoring, DeepseekMoE.scoring).
 
 The MTP layer (num_nextn_predict_layers, tensors of layer index num_hidden_layers) is not served.
 """
@@ -131,7 +131,8 @@ def latent_decode(query: torch.Tensor, cache: torch.Tensor, lora: int, batch: Fo
     """Decode attention of query [B, nh, lora + rope] over each row's first kv_len cache rows,
     masked past its context: a row's heads are the queries of its one latent KV head, so no head
     copies the keys (they are copied out once a row, fixed shapes, so a graph captures it; the
-    cost is kv_len rows a sequence, whatever its context). Returns [B, nh, lora]."""
+    cost is kv_len rows a sequence, whatever its context: the CPU path; CUDA reads in place,
+    decode_attention.latent_decode_attention). Returns [B, nh, lora]."""
     rows = cache[batch.slots, : batch.kv_len, 0]  # [B, kv_len, lora + rope]
     mask = (torch.arange(batch.kv_len, device=query.device) < batch.ctx_lens.unsqueeze(1)).unsqueeze(1)
     return F.scaled_dot_product_attention(query, rows, rows[..., :lora], attn_mask=mask, scale=scale)
@@ -189,7 +190,7 @@ class LatentAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)
         query = torch.cat((q_latent, q_rope), dim=-1)
         if batch.decode_only:
-            out = latent_decode(query, cache, lora, batch, p.softmax_scale)
+            out = self._decode(query, cache, batch)
         else:
             starts = itertools.accumulate(batch.q_lens[:-1], initial=0)
             scale = p.softmax_scale
@@ -197,6 +198,14 @@ class LatentAttention(nn.Module):
         # Each head's latent output through its value up-projection: [T, nh, v_head_dim].
         out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.reshape(T, nh * p.v_head_dim))
+
+    def _decode(self, query: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        lora, scale = self.p.kv_lora_rank, self.p.softmax_scale
+        if query.is_cuda:  # reads each row's cache in place up to its own context length
+            from components.engine.kernels.decode_attention import latent_decode_attention
+
+            return latent_decode_attention(query, cache, lora, batch.slots, batch.ctx_lens, scale)
+        return latent_decode(query, cache, lora, batch, scale)
 
 
 class Router(nn.Module):
@@ -213,10 +222,12 @@ class Router(nn.Module):
         # Module.to(dtype) of the whole model reaches here: moves apply, the dtype does not.
         return super()._apply(lambda t: fn(t).float(), recurse)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The router logits, in fp32."""
+        return F.linear(x.float(), self.weight)
+
 
 class DeepseekMoE(SparseMoE):
-    fused_route = False
-
     def __init__(self, cfg: ModelConfig, layer: int, ep):
         super().__init__(cfg, layer, ep)
         self.p: DeepseekParams = cfg.params
@@ -229,7 +240,7 @@ class DeepseekMoE(SparseMoE):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p, T, E = self.p, x.shape[0], self.gate.weight.shape[0]
-        scores = F.linear(x.float(), self.gate.weight).sigmoid()
+        scores = self.gate(x).sigmoid()
         choice = scores + self.gate.e_score_correction_bias
         if p.n_group > 1:
             groups = choice.view(T, p.n_group, E // p.n_group)
@@ -242,6 +253,12 @@ class DeepseekMoE(SparseMoE):
         if self.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return (weights * p.routed_scaling_factor).to(x.dtype), experts
+
+    def scoring(self):
+        from components.engine.kernels.routing import GroupedSigmoid
+
+        p = self.p
+        return GroupedSigmoid(self.gate.e_score_correction_bias, p.n_group, p.topk_group, p.routed_scaling_factor)
 
     def combine(self, x, d, out):
         routed = super().combine(x, d, out)
