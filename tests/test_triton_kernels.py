@@ -78,14 +78,49 @@ def check_latent_decode(device: str, dtype: torch.dtype, nh: int, lora: int, rop
     want = latent_decode(q.float(), cache.float(), lora, batch, scale)
     for s, n in zip(slots.tolist(), lens.tolist()):
         cache[s, n:] = float("nan")
-    got = latent_decode_attention(q, cache, lora, slots, lens, scale)
+
+    def attend(rows):  # the query's two parts as strided views of one tensor
+        return latent_decode_attention(q[rows, :, :lora], q[rows, :, lora:], cache, slots[rows], lens[rows], scale)
+
+    got = attend(slice(None))
     assert got.dtype == dtype and got.shape == (len(lens), nh, lora)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
     for i in range(seqs):
-        alone = latent_decode_attention(q[i : i + 1], cache, lora, slots[i : i + 1], lens[i : i + 1], scale)
-        assert torch.equal(alone[0], got[i]), f"row {i} (context {ctx[i]}) differs alone and batched"
-    last = latent_decode_attention(q[seqs - 2 :], cache, lora, slots[seqs - 2 :], lens[seqs - 2 :], scale)
-    assert torch.equal(last, got[seqs - 2 :])
+        assert torch.equal(attend(slice(i, i + 1))[0], got[i]), f"row {i} (context {ctx[i]}) differs alone and batched"
+    assert torch.equal(attend(slice(seqs - 2, None)), got[seqs - 2 :])
+
+
+def check_latent_rotary_cache(device: str, dtype: torch.dtype, interleave: bool, table_dtype: torch.dtype) -> None:
+    """latent_rotary_cache_write against LatentAttention's torch form (deinterleave, layers.Rotary,
+    the cache row [latent, k] stored at (slot, position)) bit for bit, from slices of the
+    projections as the layer has them; nothing else in the cache changes; a token alone the same."""
+    from components.engine.kernels.latent_cache import latent_rotary_cache_write
+    from components.engine.models.deepseek_v3 import _deinterleave
+    from components.engine.models.layers import Rotary
+
+    torch.manual_seed(0)
+    nh, nope, rope, lora, max_len = 3, 8, 16, 24, 40
+    rot = Rotary(rope, 10000.0, max_len).to(table_dtype).to(device)
+    pos = torch.tensor([0, 5, max_len - 1, 17, 3], device=device)
+    slots = torch.tensor([2, 0, 1, 2, 3], device=device)
+    T = len(pos)
+    q_nope, q_rope = (torch.randn(T, nh, nope + rope) * 4).to(dtype).to(device).split([nope, rope], dim=-1)
+    latent, k_rope = (torch.randn(T, lora + rope) * 4).to(dtype).to(device).split([lora, rope], dim=-1)
+    cache0 = torch.randn(5, max_len, 1, lora + rope).to(dtype).to(device)
+    order = _deinterleave if interleave else (lambda x: x)
+    want_q = rot(order(q_rope), pos)
+    want = cache0.clone()
+    want[slots, pos] = torch.cat((latent.unsqueeze(1), rot(order(k_rope.unsqueeze(1)), pos)), dim=-1)
+    cache = cache0.clone()
+    got = latent_rotary_cache_write(q_rope, k_rope, latent, rot.cos, rot.sin, pos, slots, cache, interleave)
+    assert got.dtype == dtype and torch.equal(got, want_q)
+    assert torch.equal(cache, want)
+    for i in (0, T - 1):
+        one, alone = slice(i, i + 1), cache0.clone()
+        q1 = latent_rotary_cache_write(
+            q_rope[one], k_rope[one], latent[one], rot.cos, rot.sin, pos[one], slots[one], alone, interleave
+        )
+        assert torch.equal(q1[0], got[i]) and torch.equal(alone[slots[i], pos[i]], cache[slots[i], pos[i]])
 
 
 def check_experts(device: str, dtype: torch.dtype) -> None:
@@ -158,6 +193,14 @@ def test_latent_decode_matches_the_torch_form_and_is_batch_invariant(dtype, nh, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_latent_rotary_cache_write_matches_torch_bitwise(dtype, interleave):
+    for table_dtype in (torch.float32, torch.bfloat16):
+        check_latent_rotary_cache("cuda", dtype, interleave, table_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_experts_and_their_grouping_on_cuda(dtype):
     check_experts("cuda", dtype)
     check_group_rows("cuda")
@@ -181,7 +224,7 @@ def test_decode_attention_in_a_cuda_graph_follows_the_lengths_it_reads(latent):
 
     def attend():
         if latent:
-            return latent_decode_attention(q, kc, 512, slots, lens, 0.05)
+            return latent_decode_attention(q[..., :512], q[..., 512:], kc, slots, lens, 0.05)
         return decode_attention(q, kc, vc, slots, lens)
 
     out = torch.empty_like(attend())
@@ -209,6 +252,9 @@ def _interpreted() -> None:
         check_decode_attention("cpu", dtype, nh=4, nkv=2, hd=8, max_len=140)
         check_latent_decode("cpu", dtype, nh=20, lora=512, rope=64, max_len=100)  # 2 head blocks, 1 partial
         check_latent_decode("cpu", dtype, nh=4, lora=16, rope=8, max_len=70)
+        for interleave in (True, False):
+            for table_dtype in (torch.float32, torch.bfloat16):
+                check_latent_rotary_cache("cpu", dtype, interleave, table_dtype)
         check_experts("cpu", dtype)
     check_group_rows("cpu")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import itertools
 import multiprocessing
 import os
 import re
@@ -135,6 +136,7 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
     from components.engine.kernels import checksum as checksum_kernel
     from components.engine.kernels.decode_attention import decode_attention, latent_decode_attention
     from components.engine.kernels.expert_gemm import swiglu_experts
+    from components.engine.kernels.latent_cache import latent_rotary_cache_write
     from components.engine.kernels.norm import add_rms_norm, rms_norm
     from components.engine.kernels.rotary import rotary_cache_write
     from components.engine.kernels.routing import GroupedSigmoid, combine_pairs, gather_rows, route_and_sort
@@ -158,11 +160,30 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
                 lambda: rotary_cache_write(q, k, v, cos, sin, i64(B), i64(B), kc, vc),
             )
         yield f"decode_attention {at}", lambda: decode_attention(q, kc, vc, i64(B), i64(B))
-        latent, lq = t(CACHE_SLOTS, MAX_LEN, 1, KV_LORA + ROPE_DIM), t(B, MLA_HEADS, KV_LORA + ROPE_DIM)
+        latent = t(CACHE_SLOTS, MAX_LEN, 1, KV_LORA + ROPE_DIM)
+        # The query parts as LatentAttention has them: q_latent a transposed bmm result, q_rope contiguous.
+        q_latent, q_rope = t(MLA_HEADS, B, KV_LORA).transpose(0, 1), t(B, MLA_HEADS, ROPE_DIM)
         yield (
             f"latent_decode_attention {at}",
-            lambda: latent_decode_attention(lq, latent, KV_LORA, i64(B), i64(B), 0.1),
+            lambda: latent_decode_attention(q_latent, q_rope, latent, i64(B), i64(B), 0.1),
         )
+        # Slices of the q and kv_a projections, as LatentAttention passes them.
+        q_proj, kv_a = t(B, MLA_HEADS * (128 + ROPE_DIM)), t(B, KV_LORA + ROPE_DIM)
+        for tab, interleave in itertools.product({dt, torch.float32}, (True, False)):  # tables as for rotary
+            yield (
+                f"latent_rotary_cache_write {at} tables {tab} interleave={interleave}",
+                lambda: latent_rotary_cache_write(
+                    q_proj.view(B, MLA_HEADS, 128 + ROPE_DIM)[..., 128:],
+                    kv_a[:, KV_LORA:],
+                    t(B, KV_LORA),
+                    _meta(MAX_LEN, ROPE_DIM, dtype=tab),
+                    _meta(MAX_LEN, ROPE_DIM, dtype=tab),
+                    i64(B),
+                    i64(B),
+                    latent,
+                    interleave,
+                ),  # fmt: skip
+            )
         for S in SLOTS_PER_RANK:
             w_gate, w_up, w_down = t(S, INTER, HIDDEN), t(S, INTER, HIDDEN), t(S, HIDDEN, INTER)
             yield (

@@ -17,8 +17,9 @@ rows are zero and never stored), and the head dim to at least 16 likewise. Where
 more q heads than an fp32 accumulator of ACC_ELEMENTS holds (MLA: 128 heads of 512 latent
 columns), they are split into blocks of heads, each program reading the same K tiles (from L2).
 A key is its value's columns followed by TAIL more (MLA's rotary key, dotted separately so the
-512 + 64 columns are not padded to 1024); when the values are the keys' first columns (V_IS_K)
-the one tile loaded serves both dots.
+512 + 64 columns are not padded to 1024), and so is a query, its two parts read from two tensors
+(MLA's latent query and rotated rope query, as LatentAttention computes them: no concatenation);
+when the values are the keys' first columns (V_IS_K) the one tile loaded serves both dots.
 
 A row's result depends only on its query, its cache and its context length: no split of the
 sequence across programs, a fixed block order, and positions past the context masked to exactly
@@ -40,7 +41,8 @@ ACC_ELEMENTS = 8192  # a program's fp32 accumulator, heads x value columns: 64 r
 
 @triton.jit
 def _decode_kernel(
-    q_ptr,  # [B, nh, HD + TAIL]
+    q_ptr,  # [B, nh, HD]
+    qt_ptr,  # [B, nh, TAIL] the queries' last columns (unread when TAIL is 0)
     k_ptr,  # [slots, max_len, n_kv, HD + TAIL] the layer's key cache
     v_ptr,  # same slots, positions and heads: the value cache (HD columns); unread when V_IS_K
     slots_ptr,  # [B] int64: each row's cache slot
@@ -48,6 +50,8 @@ def _decode_kernel(
     out_ptr,  # [B, nh, HD] in q's dtype
     stride_qb,
     stride_qh,
+    stride_qtb,
+    stride_qth,
     stride_ob,
     stride_oh,
     stride_cs,  # cache strides: slot, position, kv head (the head dim is contiguous)
@@ -73,14 +77,19 @@ def _decode_kernel(
     g_ok = offs_g < GROUP
     d_ok = offs_d < HD
     heads = kvh * GROUP + offs_g
-    q_row = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     qo_mask = g_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + q_row + offs_d[None, :], mask=qo_mask, other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0
+    )
     cache = slot * stride_cs + kvh * stride_ch
     if TAIL > 0:
         offs_t = tl.arange(0, BLOCK_T)
         t_ok = offs_t < TAIL
-        q_t = tl.load(q_ptr + q_row + HD + offs_t[None, :], mask=g_ok[:, None] & t_ok[None, :], other=0.0)
+        q_t = tl.load(
+            qt_ptr + b.to(tl.int64) * stride_qtb + heads[:, None] * stride_qth + offs_t[None, :],
+            mask=g_ok[:, None] & t_ok[None, :],
+            other=0.0,
+        )
     m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
@@ -111,19 +120,17 @@ def _decode_kernel(
     tl.store(out_ptr + out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
-def _attend(q, k_cache, v_cache, slots, ctx_lens, hd: int, scale: float, block_n: int) -> torch.Tensor:
-    q = q.contiguous()
-    B, nh, _ = q.shape
+def _attend(q, q_tail, k_cache, v_cache, slots, ctx_lens, out, scale: float, block_n: int) -> torch.Tensor:
+    B, nh, hd = q.shape
     n_kv = k_cache.shape[2]
     group = nh // n_kv
-    out = torch.empty((B, nh, hd), dtype=q.dtype, device=q.device)
     block_d = max(16, triton.next_power_of_2(hd))
     block_g = max(16, min(triton.next_power_of_2(group), ACC_ELEMENTS // block_d))
     tail = k_cache.shape[3] - hd
     _decode_kernel[(B, n_kv, triton.cdiv(group, block_g))](
-        q, k_cache, v_cache, slots, ctx_lens, out,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), scale * math.log2(math.e),
+        q, q_tail, k_cache, v_cache, slots, ctx_lens, out,
+        q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * math.log2(math.e),
         HD=hd, TAIL=tail, GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_T=max(16, triton.next_power_of_2(tail)), BLOCK_N=block_n, V_IS_K=v_cache is k_cache,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32 stays fp32 (no TF32)
@@ -139,14 +146,26 @@ def decode_attention(
     h // (nh // n_kv), scale 1/sqrt(hd) (scaled_dot_product_attention's). Returns [B, nh, hd] in
     q's dtype. Every ctx_lens[i] must be at least 1, and the two caches must share one layout with
     a contiguous head dim, as KVCache allocates them."""
-    hd = q.shape[-1]
-    return _attend(q, k_cache, v_cache, slots, ctx_lens, hd, 1.0 / math.sqrt(hd), BLOCK_N)
+    q = q.contiguous()
+    return _attend(q, q, k_cache, v_cache, slots, ctx_lens, torch.empty_like(q), 1.0 / math.sqrt(q.shape[-1]), BLOCK_N)
 
 
 def latent_decode_attention(
-    q: torch.Tensor, cache: torch.Tensor, lora: int, slots: torch.Tensor, ctx_lens: torch.Tensor, scale: float
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """MLA decode (deepseek_v3.latent_decode): q [B, nh, lora + rope] against the first
-    ctx_lens[i] rows of slot slots[i] of the latent cache [slots, max_len, 1, lora + rope], keys
-    the whole rows, values their first `lora` columns. Returns [B, nh, lora] in q's dtype."""
-    return _attend(q, cache, cache, slots, ctx_lens, lora, scale, LATENT_BLOCK_N)
+    """MLA decode (deepseek_v3.latent_decode of the query [q_latent, q_rope]): q_latent [B, nh,
+    lora] and q_rope [B, nh, rope] against the first ctx_lens[i] rows of slot slots[i] of the
+    latent cache [slots, max_len, 1, lora + rope], keys the whole rows, values their first `lora`
+    columns. Returns [B, nh, lora] in q's dtype, heads outermost in memory (a transpose of a
+    contiguous [nh, B, lora]: what the value up-projection's bmm reads). Both query parts may
+    have any strides with a contiguous last dim."""
+    B, nh, lora = q_latent.shape
+    assert q_latent.stride(-1) == q_rope.stride(-1) == cache.stride(-1) == 1
+    assert q_rope.shape[-1] == cache.shape[-1] - lora
+    out = torch.empty((nh, B, lora), dtype=q_latent.dtype, device=q_latent.device).transpose(0, 1)
+    return _attend(q_latent, q_rope, cache, cache, slots, ctx_lens, out, scale, LATENT_BLOCK_N)

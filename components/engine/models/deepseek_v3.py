@@ -178,20 +178,28 @@ class LatentAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if p.q_lora_rank else self.q_proj(x)
         q_nope, q_rope = q.view(T, nh, nope + rope).split([nope, rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        k_rope = k_rope.unsqueeze(1)
-        if p.rope_interleave:
-            q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
-        q_rope, k_rope = self.rotary(q_rope, batch.positions), self.rotary(k_rope, batch.positions)
+        latent = self.kv_a_layernorm(latent)
         cache = kv.k[self.layer]  # [slots, max_len, 1, kv_lora_rank + qk_rope_head_dim]
-        cache[batch.token_slots, batch.positions] = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)
+        if x.is_cuda:  # one kernel: rotary of q and k, [latent, k] into the cache (torch: ~20)
+            from components.engine.kernels.latent_cache import latent_rotary_cache_write
+
+            cos, sin = self.rotary.cos, self.rotary.sin
+            q_rope = latent_rotary_cache_write(
+                q_rope, k_rope, latent, cos, sin, batch.positions, batch.token_slots, cache, p.rope_interleave
+            )
+        else:
+            k_rope = k_rope.unsqueeze(1)
+            if p.rope_interleave:
+                q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
+            q_rope, k_rope = self.rotary(q_rope, batch.positions), self.rotary(k_rope, batch.positions)
+            cache[batch.token_slots, batch.positions] = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)
         w = self.kv_b_proj.weight.view(nh, nope + p.v_head_dim, lora)
         # q_nope through each head's key up-projection: a query in latent space [T, nh, lora].
         q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)
-        query = torch.cat((q_latent, q_rope), dim=-1)
         if batch.decode_only:
-            out = self._decode(query, cache, batch)
+            out = self._decode(q_latent, q_rope, cache, batch)
         else:
+            query = torch.cat((q_latent, q_rope), dim=-1)
             starts = itertools.accumulate(batch.q_lens[:-1], initial=0)
             scale = p.softmax_scale
             out = torch.cat([latent_prefill(query, cache, lora, batch, i, s, scale) for i, s in enumerate(starts)])
@@ -199,13 +207,13 @@ class LatentAttention(nn.Module):
         out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.reshape(T, nh * p.v_head_dim))
 
-    def _decode(self, query: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        lora, scale = self.p.kv_lora_rank, self.p.softmax_scale
-        if query.is_cuda:  # reads each row's cache in place up to its own context length
+    def _decode(self, q_latent, q_rope, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        scale = self.p.softmax_scale
+        if q_latent.is_cuda:  # reads each row's cache in place up to its own context length
             from components.engine.kernels.decode_attention import latent_decode_attention
 
-            return latent_decode_attention(query, cache, lora, batch.slots, batch.ctx_lens, scale)
-        return latent_decode(query, cache, lora, batch, scale)
+            return latent_decode_attention(q_latent, q_rope, cache, batch.slots, batch.ctx_lens, scale)
+        return latent_decode(torch.cat((q_latent, q_rope), dim=-1), cache, self.p.kv_lora_rank, batch, scale)
 
 
 class Router(nn.Module):
