@@ -133,18 +133,19 @@ def check_dispatch(device: str, exact_weights: bool) -> None:
 
 def check_ties_and_batch_invariance(device: str) -> None:
     """Equal probabilities go to the lower expert index (a zero row: experts 0..k-1); a row's
-    weights and experts are bitwise the same alone and in batches of other sizes."""
-    from components.engine.kernels.routing import route_and_sort
+    weights and experts are bitwise the same alone and in batches of other sizes, with softmax
+    and with grouped sigmoid scoring."""
+    from components.engine.kernels.routing import GroupedSigmoid, route_and_sort
 
     E, k, R, S = 8, 2, 2, 4
     m = make_moe(device, torch.float32, 1, E, k, R, S, True, []).ep.map
     mask = torch.ones(R, dtype=torch.bool, device=device)
     ones = torch.ones(E, 1, dtype=torch.int64, device=device)
 
-    def route(logits):
+    def route(logits, scoring=None):
         load = torch.zeros(E, dtype=torch.int64, device=device)
         w, *_ = route_and_sort(
-            logits, None, m.replica_slots[0][:, :1], ones[:, 0], mask, load, k, True, S, torch.float32
+            logits, None, m.replica_slots[0][:, :1], ones[:, 0], mask, load, k, True, S, torch.float32, None, scoring
         )
         return w, load
 
@@ -155,11 +156,12 @@ def check_ties_and_batch_invariance(device: str) -> None:
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(300, E, generator=g).to(device)
-    w_all, _ = route(logits)
-    for i in (0, 7, 299):
-        for lo, hi in ((i, i + 1), (max(0, i - 5), min(300, i + 40))):
-            w_part, load = route(logits[lo:hi])
-            assert torch.equal(w_part[i - lo], w_all[i]), (i, lo, hi)
+    for scoring in (None, GroupedSigmoid((torch.randn(E, generator=g) * 0.1).to(device), 4, 2, 2.5)):
+        w_all, _ = route(logits, scoring)
+        for i in (0, 7, 299):
+            for lo, hi in ((i, i + 1), (max(0, i - 5), min(300, i + 40))):
+                w_part, load = route(logits[lo:hi], scoring)
+                assert torch.equal(w_part[i - lo], w_all[i]), (i, lo, hi, scoring is None)
     for i in (3, 150):
         _, load = route(logits[i : i + 1])
         _, ex = torch.topk(logits[i], k)
