@@ -27,12 +27,22 @@ CASES = [
     (33, 16, 8, 8, 3, True, [3, 5]),
     (7, 6, 3, 5, 2, True, [1, 2, 3, 4]),
 ]
+# DeepSeek's grouped sigmoid routing (DeepseekMoE): a case and (n_group, topk_group).
+GROUPED = [
+    (CASES[0], (4, 2)),
+    ((37, 16, 4, 4, 5, True, [2]), (4, 2)),
+    ((300, 64, 8, 4, 16, True, [1]), (8, 4)),  # V3's 8 groups, best 4, top 8
+    ((20, 12, 3, 3, 4, False, []), (3, 1)),  # experts and groups not a power of two, no renorm
+    (CASES[4], (1, 1)),  # biased sigmoid, no groups (Kimi-K2, GLM-4.5)
+]
 
 
-def make_moe(device, dtype, T, E, k, R, S, norm, masked, seed=0):
+def make_moe(device, dtype, T, E, k, R, S, norm, masked, seed=0, groups=None):
     """A SparseMoE over a random placement (every expert placed, some replicated) of R ranks, the
-    ranks in `masked` outside the EP mask."""
+    ranks in `masked` outside the EP mask; with `groups` (n_group, topk_group), a DeepseekMoE
+    with a nonzero selection bias."""
     from components.engine.exchange.expert_map import ExpertMap
+    from components.engine.models.deepseek_v3 import DeepseekMoE, GroupedRouting
     from components.engine.models.moe import SparseMoE
     from components.protocol.placement import Placement
 
@@ -47,8 +57,15 @@ def make_moe(device, dtype, T, E, k, R, S, norm, masked, seed=0):
     cfg = SimpleNamespace(
         hidden_size=32, moe_intermediate_size=8, num_experts=E, top_k=k, norm_topk_prob=norm, sparse_layers=(True,) * 2
     )
-    moe = SparseMoE(cfg, 1, ep).to(device=device, dtype=dtype)
-    moe.gate.weight.data = torch.randn(E, 32, generator=g).to(device=device, dtype=dtype)
+    if groups is None:
+        moe = SparseMoE(cfg, 1, ep).to(device=device, dtype=dtype)
+        moe.gate.weight.data = torch.randn(E, 32, generator=g).to(device=device, dtype=dtype)
+        return moe
+    cfg.shared_expert_intermediate_size = 0
+    cfg.params = SimpleNamespace(routing=GroupedRouting(groups[0], groups[1], 2.5))
+    moe = DeepseekMoE(cfg, 1, ep).to(device=device, dtype=dtype)  # the router stays fp32
+    moe.gate.weight.data = (torch.randn(E, 32, generator=g) * 0.3).to(device)
+    moe.gate.e_score_correction_bias.data = (torch.randn(E, generator=g) * 0.1).to(device)
     return moe
 
 
@@ -73,12 +90,13 @@ def lower_index_on_ties():
 def check_dispatch(device: str, exact_weights: bool) -> None:
     """Every field of the dispatch equal to the torch code's (with ties to the lower expert), and
     the load update, with padding rows, masked ranks and replicas; `position` is the inverse of
-    `order`; the misrouted counter gains the masked ranks' pairs times strict (0 in warmup)."""
+    `order`; the misrouted counter gains the masked ranks' pairs times strict (0 in warmup). For
+    softmax routing and DeepSeek's grouped sigmoid (its weights times the scaling factor)."""
     from components.engine.kernels.routing import gather_rows, route_and_sort
 
     for dtype in (torch.float32, torch.bfloat16):
-        for T, E, k, R, S, norm, masked in CASES:
-            moe = make_moe(device, dtype, T, E, k, R, S, norm, masked)
+        for (T, E, k, R, S, norm, masked), groups in [(c, None) for c in CASES] + GROUPED:
+            moe = make_moe(device, dtype, T, E, k, R, S, norm, masked, groups=groups)
             g = torch.Generator().manual_seed(T)
             x = torch.randn(T, 32, generator=g).to(device=device, dtype=dtype)
             for valid in (None, torch.rand(T, generator=g).to(device) < 0.7):
@@ -92,9 +110,9 @@ def check_dispatch(device: str, exact_weights: bool) -> None:
                 strict = torch.tensor([int(valid is None)], device=device)
                 w, order, local, counts, position = route_and_sort(
                     moe.gate(x), valid, m.replica_slots[1], m.num_replicas[1], moe.ep.mask, moe.load, k, norm, S, dtype,
-                    (misrouted, strict),
+                    (misrouted, strict), moe.scoring(),
                 )  # fmt: skip
-                case = f"{dtype} T={T} E={E} k={k} R={R} S={S} masked={masked} valid={valid is not None}"
+                case = f"{dtype} T={T} E={E} k={k} R={R} S={S} masked={masked} valid={valid is not None} {groups=}"
                 assert misrouted.item() == 3 + want.counts[R].item() * strict.item(), case
                 assert torch.equal(order, want.order), case
                 assert torch.equal(local, want.local), case
@@ -108,25 +126,26 @@ def check_dispatch(device: str, exact_weights: bool) -> None:
                 # by rising offsets, then by falling ones), so a few fp32 ulps apart.
                 if exact_weights and (k <= 2 or not norm):
                     assert torch.equal(w, want.weights), case
-                else:  # numpy's exp against torch's: a few fp32 ulps, at most one of bf16
+                else:  # numpy's exp against torch's (and its sigmoid's): a few fp32 ulps, at most one of bf16
                     tol = 4 * torch.finfo(torch.float32).eps if dtype == torch.float32 else torch.finfo(dtype).eps
                     torch.testing.assert_close(w, want.weights, rtol=tol, atol=0, msg=case)
 
 
 def check_ties_and_batch_invariance(device: str) -> None:
     """Equal probabilities go to the lower expert index (a zero row: experts 0..k-1); a row's
-    weights and experts are bitwise the same alone and in batches of other sizes."""
-    from components.engine.kernels.routing import route_and_sort
+    weights and experts are bitwise the same alone and in batches of other sizes, with softmax
+    and with grouped sigmoid scoring."""
+    from components.engine.kernels.routing import GroupedSigmoid, route_and_sort
 
     E, k, R, S = 8, 2, 2, 4
     m = make_moe(device, torch.float32, 1, E, k, R, S, True, []).ep.map
     mask = torch.ones(R, dtype=torch.bool, device=device)
     ones = torch.ones(E, 1, dtype=torch.int64, device=device)
 
-    def route(logits):
+    def route(logits, scoring=None):
         load = torch.zeros(E, dtype=torch.int64, device=device)
         w, *_ = route_and_sort(
-            logits, None, m.replica_slots[0][:, :1], ones[:, 0], mask, load, k, True, S, torch.float32
+            logits, None, m.replica_slots[0][:, :1], ones[:, 0], mask, load, k, True, S, torch.float32, None, scoring
         )
         return w, load
 
@@ -137,11 +156,12 @@ def check_ties_and_batch_invariance(device: str) -> None:
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(300, E, generator=g).to(device)
-    w_all, _ = route(logits)
-    for i in (0, 7, 299):
-        for lo, hi in ((i, i + 1), (max(0, i - 5), min(300, i + 40))):
-            w_part, load = route(logits[lo:hi])
-            assert torch.equal(w_part[i - lo], w_all[i]), (i, lo, hi)
+    for scoring in (None, GroupedSigmoid((torch.randn(E, generator=g) * 0.1).to(device), 4, 2, 2.5)):
+        w_all, _ = route(logits, scoring)
+        for i in (0, 7, 299):
+            for lo, hi in ((i, i + 1), (max(0, i - 5), min(300, i + 40))):
+                w_part, load = route(logits[lo:hi], scoring)
+                assert torch.equal(w_part[i - lo], w_all[i]), (i, lo, hi, scoring is None)
     for i in (3, 150):
         _, load = route(logits[i : i + 1])
         _, ex = torch.topk(logits[i], k)

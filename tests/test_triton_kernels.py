@@ -1,9 +1,9 @@
 """The engine's Triton kernels against torch: decode attention (decode_attention.py) against
-scaled_dot_product_attention, the expert GEMMs (expert_gemm.py) against SwiGLU in fp32 and their
-grouping of rows by slot against the torch code it replaces (SparseMoE.experts' CPU form). Compiled on
-a GPU; on the CPU under Triton's interpreter (harness.triton_interpreter), in a subprocess: the
-interpreter must be on before a kernel is defined (at import), and no other test may get
-interpreted kernels."""
+scaled_dot_product_attention and, over MLA's latent cache, against deepseek_v3.latent_decode; the
+expert GEMMs (expert_gemm.py) against SwiGLU in fp32 and their grouping of rows by slot against
+the torch code it replaces (SparseMoE.experts' CPU form). Compiled on a GPU; on the CPU under
+Triton's interpreter (harness.triton_interpreter), in a subprocess: the interpreter must be on
+before a kernel is defined (at import), and no other test may get interpreted kernels."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -56,6 +57,70 @@ def check_decode_attention(device: str, dtype: torch.dtype, nh: int, nkv: int, h
         assert torch.equal(alone[0], got[i]), f"row {i} (context {ctx[i]}) differs alone and batched"
     last = decode_attention(q[seqs - 2 :], kc, vc, slots[seqs - 2 :], lens[seqs - 2 :])
     assert torch.equal(last, got[seqs - 2 :])
+
+
+def check_latent_decode(device: str, dtype: torch.dtype, nh: int, lora: int, rope: int, max_len: int) -> None:
+    """MLA's decode against the torch form it replaces on CUDA (deepseek_v3.latent_decode, in
+    fp32), as check_decode_attention: contexts around the block size, NaN past each context,
+    a row bitwise the same alone and in batches of other sizes."""
+    from components.engine.kernels.decode_attention import LATENT_BLOCK_N, latent_decode_attention
+    from components.engine.models.deepseek_v3 import latent_decode
+
+    torch.manual_seed(0)
+    ctx = [1, LATENT_BLOCK_N - 1, LATENT_BLOCK_N, LATENT_BLOCK_N + 1, max_len, max_len // 2 + 3, 2]
+    seqs, scratch = len(ctx), len(ctx)
+    cache = torch.randn(seqs + 1, max_len, 1, lora + rope, device=device).to(dtype)
+    slots = torch.tensor(list(range(seqs)) + [scratch] * (16 - seqs), device=device)
+    lens = torch.tensor(ctx + [1] * (16 - seqs), device=device)
+    q = torch.randn(len(lens), nh, lora + rope, device=device).to(dtype)
+    scale = 0.7 / (lora + rope) ** 0.5  # not SDPA's default: the kernel takes the family's
+    batch = SimpleNamespace(slots=slots, ctx_lens=lens, kv_len=max_len)
+    want = latent_decode(q.float(), cache.float(), lora, batch, scale)
+    for s, n in zip(slots.tolist(), lens.tolist()):
+        cache[s, n:] = float("nan")
+
+    def attend(rows):  # the query's two parts as strided views of one tensor
+        return latent_decode_attention(q[rows, :, :lora], q[rows, :, lora:], cache, slots[rows], lens[rows], scale)
+
+    got = attend(slice(None))
+    assert got.dtype == dtype and got.shape == (len(lens), nh, lora)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    for i in range(seqs):
+        assert torch.equal(attend(slice(i, i + 1))[0], got[i]), f"row {i} (context {ctx[i]}) differs alone and batched"
+    assert torch.equal(attend(slice(seqs - 2, None)), got[seqs - 2 :])
+
+
+def check_latent_rotary_cache(device: str, dtype: torch.dtype, interleave: bool, table_dtype: torch.dtype) -> None:
+    """latent_rotary_cache_write against LatentAttention's torch form (deinterleave, layers.Rotary,
+    the cache row [latent, k] stored at (slot, position)) bit for bit, from slices of the
+    projections as the layer has them; nothing else in the cache changes; a token alone the same."""
+    from components.engine.kernels.latent_cache import latent_rotary_cache_write
+    from components.engine.models.deepseek_v3 import _deinterleave
+    from components.engine.models.layers import Rotary
+
+    torch.manual_seed(0)
+    nh, nope, rope, lora, max_len = 3, 8, 16, 24, 40
+    rot = Rotary(rope, 10000.0, max_len).to(table_dtype).to(device)
+    pos = torch.tensor([0, 5, max_len - 1, 17, 3], device=device)
+    slots = torch.tensor([2, 0, 1, 2, 3], device=device)
+    T = len(pos)
+    q_nope, q_rope = (torch.randn(T, nh, nope + rope) * 4).to(dtype).to(device).split([nope, rope], dim=-1)
+    latent, k_rope = (torch.randn(T, lora + rope) * 4).to(dtype).to(device).split([lora, rope], dim=-1)
+    cache0 = torch.randn(5, max_len, 1, lora + rope).to(dtype).to(device)
+    order = _deinterleave if interleave else (lambda x: x)
+    want_q = rot(order(q_rope), pos)
+    want = cache0.clone()
+    want[slots, pos] = torch.cat((latent.unsqueeze(1), rot(order(k_rope.unsqueeze(1)), pos)), dim=-1)
+    cache = cache0.clone()
+    got = latent_rotary_cache_write(q_rope, k_rope, latent, rot.cos, rot.sin, pos, slots, cache, interleave)
+    assert got.dtype == dtype and torch.equal(got, want_q)
+    assert torch.equal(cache, want)
+    for i in (0, T - 1):
+        one, alone = slice(i, i + 1), cache0.clone()
+        q1 = latent_rotary_cache_write(
+            q_rope[one], k_rope[one], latent[one], rot.cos, rot.sin, pos[one], slots[one], alone, interleave
+        )
+        assert torch.equal(q1[0], got[i]) and torch.equal(alone[slots[i], pos[i]], cache[slots[i], pos[i]])
 
 
 def check_experts(device: str, dtype: torch.dtype) -> None:
@@ -120,36 +185,62 @@ def test_decode_attention_matches_sdpa_and_is_batch_invariant(dtype, nh, nkv, hd
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nh,lora,rope,max_len", [(128, 512, 64, 1000), (4, 16, 8, 200)])
+def test_latent_decode_matches_the_torch_form_and_is_batch_invariant(dtype, nh, lora, rope, max_len):
+    """DeepSeek-V3's MLA (128 heads in blocks, 512 + 64 latent columns), and the tiny test model's."""
+    check_latent_decode("cuda", dtype, nh, lora, rope, max_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_latent_rotary_cache_write_matches_torch_bitwise(dtype, interleave):
+    for table_dtype in (torch.float32, torch.bfloat16):
+        check_latent_rotary_cache("cuda", dtype, interleave, table_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_experts_and_their_grouping_on_cuda(dtype):
     check_experts("cuda", dtype)
     check_group_rows("cuda")
 
 
 @pytest.mark.gpu
-def test_decode_attention_in_a_cuda_graph_follows_the_lengths_it_reads():
+@pytest.mark.parametrize("latent", [False, True], ids=["gqa", "mla"])
+def test_decode_attention_in_a_cuda_graph_follows_the_lengths_it_reads(latent):
     """Captured once, replayed after the rows' slots and context lengths changed in place: the
     loop bound is read on the device, so the replay matches an eager call with the new values."""
-    from components.engine.kernels.decode_attention import decode_attention
+    from components.engine.kernels.decode_attention import decode_attention, latent_decode_attention
 
     torch.manual_seed(0)
     kc, vc = (torch.randn(5, 300, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q = torch.randn(4, 8, 64, device="cuda", dtype=torch.bfloat16)
     slots = torch.tensor([0, 1, 2, 4], device="cuda")
     lens = torch.tensor([5, 100, 300, 1], device="cuda")
-    out = torch.empty_like(q)
+    if latent:  # 32 heads (two blocks) over a 512 + 64 latent
+        kc = torch.randn(5, 300, 1, 576, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(4, 32, 576, device="cuda", dtype=torch.bfloat16)
+
+    def attend():
+        if latent:
+            return latent_decode_attention(q[..., :512], q[..., 512:], kc, slots, lens, 0.05)
+        return decode_attention(q, kc, vc, slots, lens)
+
+    out = torch.empty_like(attend())
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        out.copy_(decode_attention(q, kc, vc, slots, lens))  # compiled outside the capture
+        out.copy_(attend())  # compiled outside the capture
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out.copy_(decode_attention(q, kc, vc, slots, lens))
+        out.copy_(attend())
     for new_slots, new_lens in (([3, 1, 0, 4], [260, 1, 64, 1]), ([2, 2, 2, 2], [300, 299, 65, 7])):
         slots.copy_(torch.tensor(new_slots))
         lens.copy_(torch.tensor(new_lens))
         g.replay()
-        assert torch.equal(out, decode_attention(q, kc, vc, slots, lens))
+        assert torch.equal(out, attend())
 
 
 def _interpreted() -> None:
@@ -159,6 +250,11 @@ def _interpreted() -> None:
     enable()
     for dtype in (torch.float32, torch.bfloat16):
         check_decode_attention("cpu", dtype, nh=4, nkv=2, hd=8, max_len=140)
+        check_latent_decode("cpu", dtype, nh=20, lora=512, rope=64, max_len=100)  # 2 head blocks, 1 partial
+        check_latent_decode("cpu", dtype, nh=4, lora=16, rope=8, max_len=70)
+        for interleave in (True, False):
+            for table_dtype in (torch.float32, torch.bfloat16):
+                check_latent_rotary_cache("cpu", dtype, interleave, table_dtype)
         check_experts("cpu", dtype)
     check_group_rows("cpu")
 

@@ -60,6 +60,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 # A Mixtral-8x7B-shaped model (the sizes the kernels' block shapes are derived from).
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K = 4096, 14336, 32, 8, 128, 8, 2
 MAX_RANKS, MAX_LEN, CACHE_SLOTS = 8, 4096, 64
+# DeepSeek-V3's MLA (its latent cache) and routing, where they differ from Mixtral's.
+MLA_HEADS, KV_LORA, ROPE_DIM, DS_EXPERTS, DS_TOP_K, DS_GROUPS = 128, 512, 64, 256, 8, 8
 BATCHES = (1, 32, 512)  # decode graph rows: one row, a typical batch, the largest graph
 SLOTS_PER_RANK = (8, 4)  # expert slots per rank: a rank holding all experts, or half of them
 DTYPES = (torch.bfloat16, torch.float32)  # the model's, and the tests'
@@ -132,11 +134,12 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
     """(where, the wrapper call) of each way the engine launches its kernels for dtype `dt`. Run each
     call before drawing the next: the calls close over the loop variables."""
     from components.engine.kernels import checksum as checksum_kernel
-    from components.engine.kernels.decode_attention import decode_attention
+    from components.engine.kernels.decode_attention import decode_attention, latent_decode_attention
     from components.engine.kernels.expert_gemm import swiglu_experts
+    from components.engine.kernels.latent_cache import latent_rotary_cache_write
     from components.engine.kernels.norm import add_rms_norm, rms_norm
     from components.engine.kernels.rotary import rotary_cache_write
-    from components.engine.kernels.routing import combine_pairs, gather_rows, route_and_sort
+    from components.engine.kernels.routing import GroupedSigmoid, combine_pairs, gather_rows, route_and_sort
     from components.engine.weights import checksum
 
     t = functools.partial(_meta, dtype=dt)
@@ -158,6 +161,30 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
                 lambda: rotary_cache_write(q, k, v, cos, sin, i64(B), i64(B), kc, vc),
             )
         yield f"decode_attention {at}", lambda: decode_attention(q, kc, vc, i64(B), i64(B))
+        latent = t(CACHE_SLOTS, MAX_LEN, 1, KV_LORA + ROPE_DIM)
+        # The query parts as LatentAttention has them: q_latent a transposed bmm result, q_rope contiguous.
+        q_latent, q_rope = t(MLA_HEADS, B, KV_LORA).transpose(0, 1), t(B, MLA_HEADS, ROPE_DIM)
+        yield (
+            f"latent_decode_attention {at}",
+            lambda: latent_decode_attention(q_latent, q_rope, latent, i64(B), i64(B), 0.1),
+        )
+        # Slices of the q and kv_a projections, as LatentAttention passes them.
+        q_proj, kv_a = t(B, MLA_HEADS * (128 + ROPE_DIM)), t(B, KV_LORA + ROPE_DIM)
+        for tab, interleave in itertools.product({dt, torch.float32}, (True, False)):  # tables as for rotary
+            yield (
+                f"latent_rotary_cache_write {at} tables {tab} interleave={interleave}",
+                lambda: latent_rotary_cache_write(
+                    q_proj.view(B, MLA_HEADS, 128 + ROPE_DIM)[..., 128:],
+                    kv_a[:, KV_LORA:],
+                    t(B, KV_LORA),
+                    _meta(MAX_LEN, ROPE_DIM, dtype=tab),
+                    _meta(MAX_LEN, ROPE_DIM, dtype=tab),
+                    i64(B),
+                    i64(B),
+                    latent,
+                    interleave,
+                ),  # fmt: skip
+            )
         for S in SLOTS_PER_RANK:
             w_gate, w_up, w_down = t(S, INTER, HIDDEN), t(S, INTER, HIDDEN), t(S, HIDDEN, INTER)
             yield (
@@ -182,6 +209,24 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
                         misrouted,
                     ),  # fmt: skip
                 )
+            grouped = GroupedSigmoid(_meta(DS_EXPERTS, dtype=torch.float32), DS_GROUPS, DS_GROUPS // 2, 2.5)
+            yield (  # DeepSeek-V3's routing: fp32 logits (its router stays fp32), a decode graph's
+                f"route_and_sort grouped sigmoid {at} slots={S}",
+                lambda: route_and_sort(
+                    _meta(B, DS_EXPERTS, dtype=torch.float32),
+                    flags(B),
+                    i64(DS_EXPERTS, 2),
+                    i64(DS_EXPERTS),
+                    flags(MAX_RANKS),
+                    i64(DS_EXPERTS),
+                    DS_TOP_K,
+                    True,
+                    S,
+                    dt,
+                    (i64(1), i64(1)),
+                    grouped,
+                ),  # fmt: skip
+            )
         yield f"gather_rows {at}", lambda: gather_rows(x, i64(B * TOP_K), TOP_K)
         yield f"combine_pairs {at}", lambda: combine_pairs(t(B * TOP_K, HIDDEN), i32(B * TOP_K), t(B, TOP_K))
     P = 32 * TOP_K

@@ -1,17 +1,25 @@
 """Decode attention on CUDA: one query token per sequence against that sequence's KV cache, read
-in place, as one Triton kernel.
+in place, as one Triton kernel: GQA over K and V caches (`decode_attention`), and MLA's multi-query
+attention over a latent cache whose rows are the keys and whose first columns are the values
+(`latent_decode_attention`, deepseek_v3.py).
 
 Gathering each row's cache rows first (layers.gathered_decode, the CPU path) copies the whole
 cache length for every row of a graph, padding rows and short contexts alike, so at a realistic
-max_len the copy is most of the step. Here one program owns one sequence and one KV head: it
-reads the row's slot and context length on the device and walks that slot's cache BLOCK_N
-positions at a time up to the context length only, with an online softmax in fp32. The launch
-grid depends on the batch size alone, so a graph captures it, and a padding row (one scratch
-token) costs one block.
+max_len the copy is most of the step. Here one program owns one sequence and a block of the q
+heads of one KV head: it reads the row's slot and context length on the device and walks that
+slot's cache BLOCK_N positions at a time up to the context length only, with an online softmax in
+fp32. The launch grid depends on the batch size alone, so a graph captures it, and a padding row
+(one scratch token) costs one block.
 
-The q heads sharing a KV head (GQA) go through one program, so they share its K/V loads; they are
-padded to the 16 rows a dot needs (the padding rows are zero and never stored), and the head dim
-to at least 16 likewise.
+The q heads sharing a KV head go through one program, as the M dimension of its dots, so they
+share its K/V loads (on tensor cores); they are padded to the 16 rows a dot needs (the padding
+rows are zero and never stored), and the head dim to at least 16 likewise. Where a KV head has
+more q heads than an fp32 accumulator of ACC_ELEMENTS holds (MLA: 128 heads of 512 latent
+columns), they are split into blocks of heads, each program reading the same K tiles (from L2).
+A key is its value's columns followed by TAIL more (MLA's rotary key, dotted separately so the
+512 + 64 columns are not padded to 1024), and so is a query, its two parts read from two tensors
+(MLA's latent query and rotated rope query, as LatentAttention computes them: no concatenation);
+when the values are the keys' first columns (V_IS_K) the one tile loaded serves both dots.
 
 A row's result depends only on its query, its cache and its context length: no split of the
 sequence across programs, a fixed block order, and positions past the context masked to exactly
@@ -27,63 +35,107 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 64  # cache positions per step of a program's loop
+LATENT_BLOCK_N = 32  # the same for MLA, whose 576-column key tiles are 4.5 times GQA's
+ACC_ELEMENTS = 8192  # a program's fp32 accumulator, heads x value columns: 64 registers a thread at 4 warps
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr,  # [B, nh, hd]
-    k_ptr,  # [slots, max_len, n_kv, hd] the layer's key cache
-    v_ptr,  # same layout: the value cache
+    q_ptr,  # [B, nh, HD]
+    qt_ptr,  # [B, nh, TAIL] the queries' last columns (unread when TAIL is 0)
+    k_ptr,  # [slots, max_len, n_kv, HD + TAIL] the layer's key cache
+    v_ptr,  # same slots, positions and heads: the value cache (HD columns); unread when V_IS_K
     slots_ptr,  # [B] int64: each row's cache slot
     ctx_ptr,  # [B] int64: each row's context length (>= 1)
-    out_ptr,  # [B, nh, hd] in q's dtype, with q's strides
+    out_ptr,  # [B, nh, HD] in q's dtype
     stride_qb,
     stride_qh,
+    stride_qtb,
+    stride_qth,
+    stride_ob,
+    stride_oh,
     stride_cs,  # cache strides: slot, position, kv head (the head dim is contiguous)
     stride_cl,
     stride_ch,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
-    HD: tl.constexpr,
+    HD: tl.constexpr,  # the value columns, and the keys' first columns
+    TAIL: tl.constexpr,  # the keys' columns past HD (0 for GQA)
     GROUP: tl.constexpr,  # q heads per kv head
-    BLOCK_G: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # q heads a program
     BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    V_IS_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     n = tl.load(ctx_ptr + b)
-    offs_g = tl.arange(0, BLOCK_G)
+    offs_g = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < GROUP
     d_ok = offs_d < HD
     heads = kvh * GROUP + offs_g
-    q_off = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     qo_mask = g_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + q_off, mask=qo_mask, other=0.0)
-    cache = slot * stride_cs + kvh * stride_ch + offs_d[None, :]
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0
+    )
+    cache = slot * stride_cs + kvh * stride_ch
+    if TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_T)
+        t_ok = offs_t < TAIL
+        q_t = tl.load(
+            qt_ptr + b.to(tl.int64) * stride_qtb + heads[:, None] * stride_qth + offs_t[None, :],
+            mask=g_ok[:, None] & t_ok[None, :],
+            other=0.0,
+        )
     m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for start in range(0, n, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         p_ok = pos < n
-        kv_off = cache + pos[:, None].to(tl.int64) * stride_cl
+        at = cache + pos[:, None].to(tl.int64) * stride_cl
         kv_mask = p_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(p_ok[None, :], s, float("-inf"))
+        k = tl.load(k_ptr + at + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if TAIL > 0:
+            k_t = tl.load(k_ptr + at + HD + offs_t[None, :], mask=p_ok[:, None] & t_ok[None, :], other=0.0)
+            s += tl.dot(q_t, tl.trans(k_t), input_precision=PRECISION)
+        s = tl.where(p_ok[None, :], s * qk_scale, float("-inf"))
         # Every block holds at least one position below n, so m_new is finite and a masked
         # position's weight is exp2(-inf) = 0 exactly.
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(v_ptr + at + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    tl.store(out_ptr + q_off, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
+    out = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
+
+
+def _attend(q, q_tail, k_cache, v_cache, slots, ctx_lens, out, scale: float, block_n: int) -> torch.Tensor:
+    B, nh, hd = q.shape
+    n_kv = k_cache.shape[2]
+    group = nh // n_kv
+    block_d = max(16, triton.next_power_of_2(hd))
+    block_g = max(16, min(triton.next_power_of_2(group), ACC_ELEMENTS // block_d))
+    tail = k_cache.shape[3] - hd
+    _decode_kernel[(B, n_kv, triton.cdiv(group, block_g))](
+        q, q_tail, k_cache, v_cache, slots, ctx_lens, out,
+        q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * math.log2(math.e),
+        HD=hd, TAIL=tail, GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d,
+        BLOCK_T=max(16, triton.next_power_of_2(tail)), BLOCK_N=block_n, V_IS_K=v_cache is k_cache,
+        PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32 stays fp32 (no TF32)
+    )  # fmt: skip
+    return out
 
 
 def decode_attention(
@@ -95,15 +147,25 @@ def decode_attention(
     q's dtype. Every ctx_lens[i] must be at least 1, and the two caches must share one layout with
     a contiguous head dim, as KVCache allocates them."""
     q = q.contiguous()
-    B, nh, hd = q.shape
-    n_kv = k_cache.shape[2]
-    group = nh // n_kv
-    out = torch.empty_like(q)
-    _decode_kernel[(B, n_kv)](
-        q, k_cache, v_cache, slots, ctx_lens, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        (1.0 / math.sqrt(hd)) * math.log2(math.e),
-        HD=hd, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(hd)),
-        BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32 stays fp32 (no TF32)
-    )  # fmt: skip
-    return out
+    return _attend(q, q, k_cache, v_cache, slots, ctx_lens, torch.empty_like(q), 1.0 / math.sqrt(q.shape[-1]), BLOCK_N)
+
+
+def latent_decode_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """MLA decode (deepseek_v3.latent_decode of the query [q_latent, q_rope]): q_latent [B, nh,
+    lora] and q_rope [B, nh, rope] against the first ctx_lens[i] rows of slot slots[i] of the
+    latent cache [slots, max_len, 1, lora + rope], keys the whole rows, values their first `lora`
+    columns. Returns [B, nh, lora] in q's dtype, heads outermost in memory (a transpose of a
+    contiguous [nh, B, lora]: what the value up-projection's bmm reads). Both query parts may
+    have any strides with a contiguous last dim."""
+    B, nh, lora = q_latent.shape
+    assert q_latent.stride(-1) == q_rope.stride(-1) == cache.stride(-1) == 1
+    assert q_rope.shape[-1] == cache.shape[-1] - lora
+    out = torch.empty((nh, B, lora), dtype=q_latent.dtype, device=q_latent.device).transpose(0, 1)
+    return _attend(q_latent, q_rope, cache, cache, slots, ctx_lens, out, scale, LATENT_BLOCK_N)

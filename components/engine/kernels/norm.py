@@ -59,7 +59,9 @@ def _rms_norm_kernel(
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     H = x.shape[-1]
-    x2 = x.reshape(-1, H).contiguous()
+    x2 = x.reshape(-1, H)
+    if x2.stride(-1) != 1:  # rows may be apart (a slice of a fused projection), not their elements
+        x2 = x2.contiguous()
     res2 = x2 if residual is None else residual.reshape(-1, H).contiguous()
     h = x2 if residual is None else torch.empty_like(x2)
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)

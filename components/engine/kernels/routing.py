@@ -16,6 +16,12 @@ graph whose real work is the expert GEMMs. The results are the same tensors:
   pair order, BLOCK_P pairs at a time: the order, the local slots, the counts, each pair's
   position (the inverse of the order, for the combine), the load update and, for the peer-window
   exchange, the count of pairs routed to masked ranks (SparseMoE.exchange's torch form, 2 kernels).
+  With `GroupedSigmoid` scoring (SCORING="sigmoid": DeepSeek-V3's, deepseek_v3.DeepseekMoE.route)
+  the scores are instead torch's sigmoid (1 / (1 + expf(-x)), an IEEE division), the selection
+  bias is added for the choice only, the experts outside the best topk_group of n_group groups (a
+  group's score the sum of its two best biased scores, the lower group index on ties) are out of
+  it, and the chosen unbiased scores, renormalised over (sum + 1e-20), times the scaling factor,
+  are the weights.
 * `gather_rows`: rows[i] = x[order[i] // k].
 * `combine_pairs`: token t's output is the sum over its choices j, in j order, of
   out[position(t, j)] * w[t, j], each product rounded to the output dtype and accumulated in
@@ -28,12 +34,23 @@ as shapes, so a graph captures them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 _TILE = 4096  # elements of the [rows, keys or experts] tiles a program works on at a time
+
+
+class GroupedSigmoid(NamedTuple):
+    """route_and_sort's sigmoid scoring (module docstring) and its settings."""
+
+    bias: torch.Tensor  # [E] fp32: added to the scores for the choice only
+    n_group: int
+    topk_group: int
+    scale: float  # multiplies the weights (routed_scaling_factor)
 
 
 @triton.jit
@@ -60,6 +77,30 @@ def _row_sum(e, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
+def _best_groups(
+    c, cols, E, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr
+):
+    """`c` [BLOCK_T, E_PAD] with every expert outside its row's TOPK_GROUP best groups of E //
+    N_GROUP consecutive experts at -inf; a group's score is the sum of its two best entries."""
+    group = cols // (E // N_GROUP)  # padding columns (E on) fall in no group
+    # Group g's score in column g (groups <= experts, so E_PAD columns hold them), -inf past them.
+    scores = tl.full((BLOCK_T, E_PAD), float("-inf"), dtype=tl.float32)
+    for g in tl.static_range(N_GROUP):
+        v = tl.where((group == g)[None, :], c, float("-inf"))
+        top = tl.max(v, 1)
+        at = tl.min(tl.where(v == top[:, None], cols[None, :], E_PAD), 1)
+        second = tl.max(tl.where(cols[None, :] == at[:, None], float("-inf"), v), 1)
+        scores = tl.where(cols[None, :] == g, (top + second)[:, None], scores)
+    keep = tl.zeros((BLOCK_T, E_PAD), dtype=tl.int1)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(scores, 1)
+        gi = tl.min(tl.where(scores == best[:, None], cols[None, :], E_PAD), 1)
+        scores = tl.where(cols[None, :] == gi[:, None], float("-inf"), scores)
+        keep = keep | (group[None, :] == gi[:, None])
+    return tl.where(keep, c, float("-inf"))
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr,  # [T, E] router logits (any float dtype; the softmax is fp32)
     stride_l,
@@ -77,10 +118,15 @@ def _route_kernel(
     position_ptr,  # [T*K] int32 out: the position of each pair
     counts_ptr,  # [R + 2] int64 out: pairs per key
     keys_ptr,  # [T*K] int32 scratch: key * S + local slot of each pair
+    bias_ptr,  # [E] fp32: the selection bias (SCORING "sigmoid")
+    scale,  # multiplies the weights (SCORING "sigmoid")
     T,
     E,
     R,
     S,
+    SCORING: tl.constexpr,  # "softmax" or "sigmoid" (GroupedSigmoid)
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     NORM: tl.constexpr,
@@ -105,11 +151,18 @@ def _route_kernel(
             mask=row_ok[:, None] & col_ok[None, :],
             other=0.0,
         ).to(tl.float32)
-        x = tl.where(col_ok[None, :], x, float("-inf"))
-        m = tl.max(x, 1)
-        e = libdevice.exp(x - m[:, None])
-        p = tl.math.div_rn(e, _row_sum(e, BLOCK_T, E_PAD)[:, None])
-        p = tl.where(col_ok[None, :], p, -1.0)  # below every probability: never chosen
+        if SCORING == "softmax":
+            x = tl.where(col_ok[None, :], x, float("-inf"))
+            m = tl.max(x, 1)
+            e = libdevice.exp(x - m[:, None])
+            score = tl.math.div_rn(e, _row_sum(e, BLOCK_T, E_PAD)[:, None])
+            pick = score
+        else:
+            score = tl.math.div_rn(1.0, 1.0 + libdevice.exp(-x))
+            pick = score + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+            if N_GROUP > 1:
+                pick = _best_groups(pick, cols, E, BLOCK_T, E_PAD, N_GROUP, TOPK_GROUP)
+        pick = tl.where(col_ok[None, :], pick, float("-inf"))  # never chosen
         if HAS_VALID:
             real = row_ok & (tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0)
         else:
@@ -117,9 +170,13 @@ def _route_kernel(
         chosen = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
         total = tl.zeros((BLOCK_T,), dtype=tl.float32)
         for j in tl.static_range(K):
-            w = tl.max(p, 1)
-            ex = tl.min(tl.where(p == w[:, None], cols[None, :], E_PAD), 1)  # the lower index on ties
-            p = tl.where(cols[None, :] == ex[:, None], -1.0, p)
+            c = tl.max(pick, 1)
+            ex = tl.min(tl.where(pick == c[:, None], cols[None, :], E_PAD), 1)  # the lower index on ties
+            pick = tl.where(cols[None, :] == ex[:, None], float("-inf"), pick)
+            if SCORING == "softmax":
+                w = c
+            else:  # the unbiased score: one term and zeros, exact
+                w = tl.sum(tl.where(cols[None, :] == ex[:, None], score, 0.0), 1)
             chosen = tl.where(kj[None, :] == j, w[:, None], chosen)
             total = total + w
             load += tl.sum(((cols[None, :] == ex[:, None]) & real[:, None]).to(tl.int32), 0)
@@ -133,8 +190,13 @@ def _route_kernel(
             key = tl.where(real, tl.where(on, dest, R), R + 1).to(tl.int32)
             counts += tl.sum(((kcols[None, :] == key[:, None]) & row_ok[:, None]).to(tl.int32), 0)
             tl.store(keys_ptr + rows * K + j, key * S + (slot % S).to(tl.int32), mask=row_ok)
-        if NORM:
-            chosen = tl.math.div_rn(chosen, total[:, None])
+        if SCORING == "softmax":
+            if NORM:
+                chosen = tl.math.div_rn(chosen, total[:, None])
+        else:
+            if NORM:
+                chosen = tl.math.div_rn(chosen, total[:, None] + 1e-20)
+            chosen = chosen * scale
         w_at = weights_ptr + rows[:, None] * K + kj[None, :]
         tl.store(w_at, chosen.to(weights_ptr.dtype.element_ty), mask=row_ok[:, None] & (kj[None, :] < K))
     tl.store(counts_ptr + kcols, counts.to(tl.int64), mask=kcols < R + 2)
@@ -171,12 +233,14 @@ def route_and_sort(
     slots_per_rank: int,
     dtype: torch.dtype,
     misrouted: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scoring: GroupedSigmoid | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """SparseMoE.route and the dispatch layout in one launch: (weights [T, k] in `dtype`, order
     [T*k] int64, local [T*k] int32, counts [R + 2] int64, position [T*k] int32), adding the real
     rows' pairs to `load`. `replicas` [E, max_replicas] and `num_replicas` [E] are the layer's rows
     of the ExpertMap; `mask` [R] the EP mask. `misrouted` (counter, strict): the counter gains
-    the pairs routed to masked ranks (counts[R]) times strict."""
+    the pairs routed to masked ranks (counts[R]) times strict. `scoring`: None for softmax
+    top-k, else DeepSeek's grouped sigmoid (module docstring)."""
     T, E = logits.shape
     R, P = mask.shape[0], T * top_k
     dev = logits.device
@@ -188,13 +252,17 @@ def route_and_sort(
     keys = torch.empty(P, dtype=torch.int32, device=dev)
     e_pad, nkey = max(2, triton.next_power_of_2(E)), triton.next_power_of_2(R + 2)
     bad, strict = misrouted if misrouted is not None else (load, load)
+    sig = scoring or GroupedSigmoid(logits, 1, 1, 1.0)  # softmax: unread
     _route_kernel[(1,)](
         logits, logits.stride(0), valid if valid is not None else logits, replicas, replicas.stride(0),
-        num_replicas, mask, load, bad, strict, weights, order, local, position, counts, keys, T, E, R, slots_per_rank,
+        num_replicas, mask, load, bad, strict, weights, order, local, position, counts, keys, sig.bias, sig.scale,
+        T, E, R, slots_per_rank,
+        SCORING="softmax" if scoring is None else "sigmoid", N_GROUP=sig.n_group, TOPK_GROUP=sig.topk_group,
         K=top_k, K_PAD=triton.next_power_of_2(top_k), NORM=norm, HAS_VALID=valid is not None,
         HAS_MISROUTED=misrouted is not None, E_PAD=e_pad, NKEY=nkey,
         BLOCK_T=max(1, _TILE // max(e_pad, nkey)), BLOCK_P=max(1, _TILE // nkey),
-        enable_fp_fusion=False,
+        # The sigmoid's live tiles (scores, biased choice, group scores) spill at 4 warps (sm_90, 256 experts).
+        num_warps=4 if scoring is None else 8, enable_fp_fusion=False,
     )  # fmt: skip
     return weights, order, local, counts, position
 

@@ -13,8 +13,8 @@ attention of 1 KV head, keys [c, k_rope], values c (a view of the same rows). Th
 Routing. Scores are sigmoid(router logits) in fp32; `e_score_correction_bias` is added for the
 choice only: with n_group groups, the best `topk_group` groups by the sum of their two best biased
 scores stay, top_k experts are chosen among them, and their unbiased scores, renormalised
-(norm_topk_prob), times routed_scaling_factor, weigh them. The CUDA routing kernel does softmax
-top-k, so these layers dispatch in torch ops on every device (SparseMoE.fused_route).
+(norm_topk_prob), times routed_scaling_factor, weigh them. On CUDA the routing kernel computes
+it (kernels.routing's GroupedSigmoid scoring, DeepseekMoE.scoring).
 
 The MTP layer (num_nextn_predict_layers, tensors of layer index num_hidden_layers) is not served.
 """
@@ -137,7 +137,8 @@ def latent_decode(query: torch.Tensor, cache: torch.Tensor, lora: int, batch: Fo
     """Decode attention of query [B, nh, lora + rope] over each row's first kv_len cache rows,
     masked past its context: a row's heads are the queries of its one latent KV head, so no head
     copies the keys (they are copied out once a row, fixed shapes, so a graph captures it; the
-    cost is kv_len rows a sequence, whatever its context). Returns [B, nh, lora]."""
+    cost is kv_len rows a sequence, whatever its context: the CPU path; CUDA reads in place,
+    decode_attention.latent_decode_attention). Returns [B, nh, lora]."""
     rows = cache[batch.slots, : batch.kv_len, 0]  # [B, kv_len, lora + rope]
     mask = (torch.arange(batch.kv_len, device=query.device) < batch.ctx_lens.unsqueeze(1)).unsqueeze(1)
     return F.scaled_dot_product_attention(query, rows, rows[..., :lora], attn_mask=mask, scale=scale)
@@ -183,26 +184,42 @@ class LatentAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if p.q_lora_rank else self.q_proj(x)
         q_nope, q_rope = q.view(T, nh, nope + rope).split([nope, rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        k_rope = k_rope.unsqueeze(1)
-        if p.rope_interleave:
-            q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
-        q_rope, k_rope = self.rotary(q_rope, batch.positions), self.rotary(k_rope, batch.positions)
+        latent = self.kv_a_layernorm(latent)
         cache = kv.k[self.layer]  # [slots, max_len, 1, kv_lora_rank + qk_rope_head_dim]
-        cache[batch.token_slots, batch.positions] = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)
+        if x.is_cuda:  # one kernel: rotary of q and k, [latent, k] into the cache (torch: ~20)
+            from components.engine.kernels.latent_cache import latent_rotary_cache_write
+
+            cos, sin = self.rotary.cos, self.rotary.sin
+            q_rope = latent_rotary_cache_write(
+                q_rope, k_rope, latent, cos, sin, batch.positions, batch.token_slots, cache, p.rope_interleave
+            )
+        else:
+            k_rope = k_rope.unsqueeze(1)
+            if p.rope_interleave:
+                q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
+            q_rope, k_rope = self.rotary(q_rope, batch.positions), self.rotary(k_rope, batch.positions)
+            cache[batch.token_slots, batch.positions] = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)
         w = self.kv_b_proj.weight.view(nh, nope + p.v_head_dim, lora)
         # q_nope through each head's key up-projection: a query in latent space [T, nh, lora].
         q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)
-        query = torch.cat((q_latent, q_rope), dim=-1)
         if batch.decode_only:
-            out = latent_decode(query, cache, lora, batch, p.softmax_scale)
+            out = self._decode(q_latent, q_rope, cache, batch)
         else:
+            query = torch.cat((q_latent, q_rope), dim=-1)
             starts = itertools.accumulate(batch.q_lens[:-1], initial=0)
             scale = p.softmax_scale
             out = torch.cat([latent_prefill(query, cache, lora, batch, i, s, scale) for i, s in enumerate(starts)])
         # Each head's latent output through its value up-projection: [T, nh, v_head_dim].
         out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.reshape(T, nh * p.v_head_dim))
+
+    def _decode(self, q_latent, q_rope, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        scale = self.p.softmax_scale
+        if q_latent.is_cuda:  # reads each row's cache in place up to its own context length
+            from components.engine.kernels.decode_attention import latent_decode_attention
+
+            return latent_decode_attention(q_latent, q_rope, cache, batch.slots, batch.ctx_lens, scale)
+        return latent_decode(torch.cat((q_latent, q_rope), dim=-1), cache, self.p.kv_lora_rank, batch, scale)
 
 
 class Router(nn.Module):
@@ -219,11 +236,13 @@ class Router(nn.Module):
         # Module.to(dtype) of the whole model reaches here: moves apply, the dtype does not.
         return super()._apply(lambda t: fn(t).float(), recurse)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The router logits, in fp32."""
+        return F.linear(x.float(), self.weight)
+
 
 class DeepseekMoE(SparseMoE):
     """The routed and shared experts of a sparse layer; `cfg.params.routing` says how it routes."""
-
-    fused_route = False
 
     def __init__(self, cfg: ModelConfig, layer: int, ep):
         super().__init__(cfg, layer, ep)
@@ -237,7 +256,7 @@ class DeepseekMoE(SparseMoE):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p, T, E = self.p, x.shape[0], self.gate.weight.shape[0]
-        scores = F.linear(x.float(), self.gate.weight).sigmoid()
+        scores = self.gate(x).sigmoid()
         choice = scores + self.gate.e_score_correction_bias
         if p.n_group > 1:
             groups = choice.view(T, p.n_group, E // p.n_group)
@@ -250,6 +269,12 @@ class DeepseekMoE(SparseMoE):
         if self.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return (weights * p.routed_scaling_factor).to(x.dtype), experts
+
+    def scoring(self):
+        from components.engine.kernels.routing import GroupedSigmoid
+
+        p = self.p
+        return GroupedSigmoid(self.gate.e_score_correction_bias, p.n_group, p.topk_group, p.routed_scaling_factor)
 
     def combine(self, x, d, out):
         routed = super().combine(x, d, out)

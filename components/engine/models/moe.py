@@ -129,10 +129,6 @@ def group_by_slot(key: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Te
 class SparseMoE(nn.Module):
     """Top-k routed experts over EP. `gate` is the router; expert weights live in slot tensors."""
 
-    # Whether `route` is the softmax top-k the CUDA routing kernel computes (route_and_sort); a
-    # family routing otherwise (sigmoid, grouped, biased) sets False and dispatches in torch ops.
-    fused_route = True
-
     def __init__(self, cfg, layer: int, ep: ExpertParallel):
         super().__init__()
         H, I, S = cfg.hidden_size, cfg.moe_intermediate_size, ep.slots_per_rank
@@ -158,6 +154,11 @@ class SparseMoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
+
+    def scoring(self):
+        """How the CUDA routing kernel computes `route` (kernels.routing.route_and_sort's
+        `scoring`): None, the softmax top-k above; a family routing otherwise says so."""
+        return None
 
     def experts(self, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The SwiGLU expert of slot `local[i]` applied to row `x[i]`, zeros for rows whose slot
@@ -199,7 +200,7 @@ class SparseMoE(nn.Module):
     def dispatch(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> Dispatch:
         """Device only (no host sync), so a graph can capture it. `valid` marks real rows of a
         padded batch; padding rows are routed but neither sent nor counted as load."""
-        if x.is_cuda and self.fused_route:  # the same layout from two launches after the router (routing_kernel)
+        if x.is_cuda:  # the same layout from two launches after the router (routing_kernel)
             from components.engine.kernels.routing import gather_rows, route_and_sort
 
             m, ep = self.ep.map, self.ep
@@ -207,7 +208,7 @@ class SparseMoE(nn.Module):
             misrouted = (ep.misrouted, ep.strict) if ep.windows is not None else None
             weights, order, local, counts, position = route_and_sort(
                 self.gate(x), valid, m.replica_slots[self.row], m.num_replicas[self.row], ep.mask,
-                self.load, self.top_k, self.norm_topk, ep.slots_per_rank, x.dtype, misrouted,
+                self.load, self.top_k, self.norm_topk, ep.slots_per_rank, x.dtype, misrouted, self.scoring(),
             )  # fmt: skip
             return Dispatch(weights, order, gather_rows(x, order, self.top_k), local, counts, position)
         return self._dispatch_torch(x, valid)
