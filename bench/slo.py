@@ -326,7 +326,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     result = {
         "command": " ".join([sys.executable, "-m", "bench.slo", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        # Other sessions share this VM's cores: the load they put on it is part of the result.
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": os.getloadavg()},
         "trace": {
             "requests": len(rows),
             "seed": args.seed,
