@@ -8,7 +8,7 @@
 #                  /tmp/aiperf-site (pip --no-index --no-deps --target), one part at a time works too.
 # Then: python -m bench.slo --aiperf "env PYTHONPATH=/tmp/aiperf-site python3 -m aiperf" ...
 # aiperf gets a site of its own (PYTHONPATH for its process alone): its prometheus-client pin
-# conflicts with the project's (see bench/requirements-aiperf.txt).
+# conflicts with the project's (see bench/requirements-aiperf.txt). About 8 minutes of CPU (xz).
 set -euo pipefail
 D=${1:-.aiperf-packages}
 PYV=${PYV:-3.12}
