@@ -20,6 +20,11 @@ from its own venv (`make bench-tools`: its prometheus-client pin conflicts with 
 does the plot (matplotlib comes with it). Output: a table, JSON (`--out`) and a PNG (`--plot`).
 
     make bench-tools && .venv/bin/python -m bench.slo                 # CPU, built-in model
+
+The defaults are this 2-core VM's (bench/results/slo_cpu.json): one rank at 4 -> 8 requests/s
+misses a 1 s SLO near the end. A second EP rank there adds a process, not a core, so its steps
+are slower, not its capacity larger: the CPU run shows the restart's gap and elastic growing
+without a failed request, not elastic holding the SLO; that takes a GPU (or a core) per rank.
     .venv/bin/python -m bench.slo --device cuda --model DIR --start 1 --grow 1 --rate 40 ...
 """
 
@@ -32,7 +37,6 @@ import os
 import platform
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,11 +46,11 @@ from pathlib import Path
 
 import httpx
 
+from bench import aiperf
 from bench.measure import write_results
 from harness.server import Server
 
 ROOT = Path(__file__).resolve().parents[1]
-AIPERF = ROOT / ".venv" / "aiperf" / "bin"
 PENALTY_S = 30.0  # a failed request's TTFT, as in the post
 DEPLOYMENTS = ("static", "restart", "elastic")
 STARTED = "dynamo_frontend_requests_started_total"
@@ -54,8 +58,8 @@ STARTED = "dynamo_frontend_requests_started_total"
 
 def trace(seed: int, duration_s: float, rate0: float, rate1: float, isl: int, osl: int, vocab: int) -> list[dict]:
     """Arrivals of a Poisson process whose rate rises linearly from `rate0` to `rate1` requests/s
-    over `duration_s` (thinning of a `rate1` process), prompt and output lengths log-normal around
-    `isl` and `osl` tokens (sigma 0.5, clipped to [isl/4, 4 isl] and [osl/4, 4 osl])."""
+    over `duration_s` (thinning of a `rate1` process), prompt and output lengths as
+    bench.aiperf.lengths draws them."""
     rng = random.Random(seed)
     rows, t = [], 0.0
     while True:
@@ -64,96 +68,9 @@ def trace(seed: int, duration_s: float, rate0: float, rate1: float, isl: int, os
             return rows
         if rng.random() > (rate0 + (rate1 - rate0) * t / duration_s) / rate1:
             continue
-
-        def length(mean: int) -> int:
-            return max(1, min(4 * mean, max(mean // 4, round(rng.lognormvariate(math.log(mean), 0.5)))))
-
-        n, out = length(isl), length(osl)
         rows.append(
-            {
-                "timestamp": round(t * 1000, 3),
-                "payload": {
-                    "prompt": [rng.randrange(3, vocab) for _ in range(n)],
-                    "max_tokens": out,
-                    "ignore_eos": True,
-                    "temperature": 0,
-                    "stream": True,
-                },
-            }
+            {"timestamp": round(t * 1000, 3), "payload": aiperf.payload(rng, *aiperf.lengths(rng, isl, osl), vocab)}
         )
-
-
-def aiperf(args, url: str, model: str, tokenizer: Path, rows: list[dict], out: Path) -> list[dict]:
-    """Replay `rows` on their fixed schedule; the per-request records aiperf exports."""
-    out.mkdir(parents=True, exist_ok=True)
-    for r in rows:
-        r["payload"]["model"] = model
-    path = out / "trace.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cmd = [
-        str(AIPERF / "aiperf"),
-        "profile",
-        "--model",
-        model,
-        "--url",
-        url,
-        "--endpoint-type",
-        "completions",
-        "--streaming",
-        "--input-file",
-        str(path),
-        "--custom-dataset-type",
-        "mooncake_trace",
-        "--fixed-schedule",
-        "--tokenizer",
-        str(tokenizer),
-        "--request-timeout-seconds",
-        str(PENALTY_S),
-        "--random-seed",
-        str(args.seed),
-        "--artifact-dir",
-        str(out),
-        "--ui-type",
-        "none",
-        "--no-server-metrics",
-    ]
-    with (out / "aiperf.log").open("w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out).returncode
-    records = out / "profile_export.jsonl"
-    if rc != 0 or not records.is_file():
-        tail = (out / "aiperf.log").read_text(errors="replace")[-3000:]
-        raise SystemExit(f"aiperf failed (exit {rc}); its log ends:\n{tail}")
-    return [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
-
-
-def _ms(metric: dict | None) -> float | None:
-    if not metric or metric.get("value") is None:
-        return None
-    scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}.get(metric.get("unit", "ms"), 1.0)
-    v = metric["value"]
-    return (statistics.mean(v) if isinstance(v, list) else v) * scale
-
-
-def requests(records: list[dict]) -> list[dict]:
-    """One row per request: start (unix s), TTFT and mean inter-token latency (s), output tokens,
-    the error if it failed."""
-    out = []
-    for r in records:
-        m, meta = r.get("metrics") or {}, r["metadata"]
-        ttft, itl = _ms(m.get("time_to_first_token")), _ms(m.get("inter_token_latency"))
-        osl = m.get("output_sequence_length", {}).get("value")
-        err = r.get("error")
-        out.append(
-            {
-                "start": meta["request_start_ns"] / 1e9,
-                "end": meta["request_end_ns"] / 1e9,
-                "ttft_s": None if ttft is None or err else ttft / 1e3,
-                "itl_s": None if itl is None or err else itl / 1e3,
-                "tokens": 0 if err else int(osl or 0),
-                "error": (err.get("message") or err.get("type") or "error") if err else "",
-            }
-        )
-    return sorted(out, key=lambda x: x["start"])
 
 
 def rolling_p95(reqs: list[dict], t0: float, window_s: float, step_s: float = 1.0) -> list[tuple[float, float]]:
@@ -300,14 +217,15 @@ def run(kind: str, args, rows: list[dict], tokenizer: Path, snapshot_root: Path 
     if kind == "elastic":
         ops.start()
     try:
-        records = aiperf(args, f"http://127.0.0.1:{srv.http_port}", srv.model, tokenizer, rows, work / kind)
+        url = f"http://127.0.0.1:{srv.http_port}"
+        records, _ = aiperf.replay(args.aiperf_cmd, url, srv.model, tokenizer, rows, work / kind, args.seed, PENALTY_S)
         time.sleep(1.0 if kind == "elastic" else 0.0)  # the last operation's record
     finally:
         stop.set()
         watcher.join(timeout=300)
         for s in servers:
             s.stop()
-    reqs = requests(records)
+    reqs = aiperf.requests(records)
     t0 = t0_box[0] if t0_box else (reqs[0]["start"] if reqs else 0.0)
     for m in marks:
         m["t"], m["t_end"] = m.pop("abs_t") - t0, m.pop("abs_t_end") - t0
@@ -362,25 +280,27 @@ def table(rows: list[dict], slo_s: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model", default="", help="Worker.model (default: the built-in model)")
-    p.add_argument("--dtype", default="", help="Worker.dtype (default: the checkpoint's)")
-    p.add_argument("--start", type=int, default=2, help="N: ranks at the start (default 2)")
-    p.add_argument("--grow", type=int, default=2, help="k: ranks the restart and the planner add (default 2)")
+    aiperf.add_args(p)
+    p.add_argument("--start", type=int, default=1, help="N: ranks at the start (default 1)")
+    p.add_argument("--grow", type=int, default=1, help="k: ranks the restart and the planner add (default 1)")
     p.add_argument("--max-seqs", type=int, default=2, help="Worker.max_seqs, each rank's batch (default 2)")
     p.add_argument("--max-len", type=int, default=1024, help="Worker.max_len (default 1024)")
-    p.add_argument("--rate", type=float, default=6.0, help="requests/s at the start; the ramp doubles it")
-    p.add_argument("--duration-s", type=float, default=100.0, help="length of the trace (default 100 s)")
-    p.add_argument("--isl", type=int, default=48, help="mean prompt tokens (default 48)")
-    p.add_argument("--osl", type=int, default=24, help="mean output tokens (default 24)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", type=float, default=4.0, help="requests/s at the start; the ramp doubles it (default 4)")
+    p.add_argument("--duration-s", type=float, default=60.0, help="length of the trace (default 60 s)")
+    p.add_argument("--isl", type=int, default=32, help="mean prompt tokens (default 32)")
+    p.add_argument("--osl", type=int, default=16, help="mean output tokens (default 16)")
     p.add_argument("--slo-s", type=float, default=1.0, help="the TTFT SLO the plot draws (default 1 s)")
-    p.add_argument("--window-s", type=float, default=30.0, help="rolling p95 window (default 30 s, the post's)")
+    p.add_argument(
+        "--window-s",
+        type=float,
+        default=15.0,
+        help="rolling p95 window (default 15 s; the post's 30 s over a longer trace)",
+    )
     p.add_argument("--restart-at", type=float, default=0.4, help="share of the ramp where the restart begins")
     p.add_argument("--planner-interval-s", type=float, default=2.0, help="Planner.interval_s (default 2)")
     p.add_argument("--deployments", default=",".join(DEPLOYMENTS), help="which to run, in order")
     p.add_argument("--no-snapshot", action="store_true", help="elastic joiners start cold")
-    p.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/slo[_cuda].json)")
+    p.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/slo_{cpu,cuda}.json)")
     p.add_argument("--plot", type=Path, default=None, help="PNG (default beside the JSON)")
     p.add_argument("graph_args", nargs="*", help="more `dynamo serve` options, after --")
     args = p.parse_args()
@@ -388,9 +308,8 @@ def main() -> None:
     bad = [k for k in kinds if k not in DEPLOYMENTS]
     if bad or not kinds:
         p.error(f"--deployments: {', '.join(bad) or 'none given'} (choose from {', '.join(DEPLOYMENTS)})")
-    if not (AIPERF / "aiperf").is_file():
-        p.error(f"aiperf is not installed in {AIPERF.parent}: run `make bench-tools`")
-    out = args.out or ROOT / "bench" / "results" / ("slo_cuda.json" if args.device == "cuda" else "slo.json")
+    args.aiperf_cmd = aiperf.command(args.aiperf)
+    out = args.out or ROOT / "bench" / "results" / f"slo_{args.device}.json"
     plot = args.plot or out.with_suffix(".png")
 
     from components.engine.models.builtin import builtin_model_dir
@@ -412,7 +331,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     result = {
         "command": " ".join([sys.executable, "-m", "bench.slo", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        # Other sessions share this VM's cores: the load they put on it is part of the result.
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": os.getloadavg()},
         "trace": {
             "requests": len(rows),
             "seed": args.seed,
@@ -434,8 +354,12 @@ def main() -> None:
     }
     write_results(out, result)
     print(table(results, args.slo_s))
-    r = subprocess.run([str(AIPERF / "python"), "-m", "bench.slo_plot", str(out), str(plot)], cwd=ROOT)
-    print(f"wrote {plot}" if r.returncode == 0 else f"the plot failed (exit {r.returncode})")
+    # matplotlib comes with make bench-tools' venv; elsewhere (the GPU machine) plot the JSON later.
+    py = aiperf.VENV / "python" if (aiperf.VENV / "python").is_file() else Path(sys.executable)
+    r = subprocess.run([str(py), "-m", "bench.slo_plot", str(out), str(plot)], cwd=ROOT)
+    print(
+        f"wrote {plot}" if r.returncode == 0 else f"the plot failed (exit {r.returncode}): bench.slo_plot {out} {plot}"
+    )
 
 
 if __name__ == "__main__":
