@@ -40,7 +40,7 @@ from components.engine.models.hf_layout import (
     swiglu_names,
     swiglu_shapes,
 )
-from components.engine.models.layers import ForwardBatch, GatedMLP, KVCache, MlpBlock, RMSNorm, Rotary
+from components.engine.models.layers import ForwardBatch, GatedMLP, KVCache, MlpBlock, RMSNorm, Rotary, split_rows
 from components.engine.models.moe import SparseMoE
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class LatentAttention(nn.Module):
         cache[batch.token_slots, batch.positions] = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)
         w = self.kv_b_proj.weight.view(nh, nope + p.v_head_dim, lora)
         # q_nope through each head's key up-projection: a query in latent space [T, nh, lora].
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)
+        q_latent = split_rows(lambda q: torch.bmm(q.transpose(0, 1), w[:, :nope]).transpose(0, 1), q_nope)
         query = torch.cat((q_latent, q_rope), dim=-1)
         if batch.decode_only:
             out = latent_decode(query, cache, lora, batch, p.softmax_scale)
@@ -195,7 +195,7 @@ class LatentAttention(nn.Module):
             scale = p.softmax_scale
             out = torch.cat([latent_prefill(query, cache, lora, batch, i, s, scale) for i, s in enumerate(starts)])
         # Each head's latent output through its value up-projection: [T, nh, v_head_dim].
-        out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+        out = split_rows(lambda o: torch.bmm(o.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1), out)
         return self.o_proj(out.reshape(T, nh * p.v_head_dim))
 
 
@@ -229,7 +229,7 @@ class DeepseekMoE(SparseMoE):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p, T, E = self.p, x.shape[0], self.gate.weight.shape[0]
-        scores = F.linear(x.float(), self.gate.weight).sigmoid()
+        scores = split_rows(lambda r: F.linear(r.float(), self.gate.weight), x).sigmoid()
         choice = scores + self.gate.e_score_correction_bias
         if p.n_group > 1:
             groups = choice.view(T, p.n_group, E // p.n_group)
