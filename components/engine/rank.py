@@ -496,8 +496,10 @@ class EngineRank:
                 continue
             has_work = self.sched.has_work()
             if not has_work and not self._peers_busy and not self._pause_wanted and self._launched is None:
-                # Nobody had work last time: wait a little for ours before asking again.
-                if self._wake.wait(self.cfg.idle_wait_s):
+                # Nobody had work last time: wait a little for ours before asking again; a rank
+                # alone in the group has nobody to ask, and waits until something is posted.
+                alone = len(self.comm.active) == 1
+                if self._wake.wait(None if alone else self.cfg.idle_wait_s):
                     self._wake.clear()
                     self._drain()
                 has_work = self.sched.has_work()
@@ -571,6 +573,8 @@ class EngineRank:
             self._abandon(step)
             raise
         self._launched = step
+        if step.done is None:  # computed as it was queued (CPU): its tokens go out now, not a step later
+            self._complete()
 
     def _launch(self, work: list[tuple[Sequence, int]]) -> Launched:
         """Queue the step of `work` (none: a dummy step, taking part in the collectives) and the
