@@ -8,10 +8,14 @@ the stream ends. Each length's prompt is one whose generated tokens each stream 
 (`streamed_prompt`). A request that waits on the idle engine, the request plane or a socket shows
 here as a floor under every prompt length; the prompt's own prefill grows with its length.
 `--gap-s` idles between requests (a delayed ACK that Nagle's algorithm waits for shows only
-while requests follow each other within about 100 ms). Prints a table and writes JSON (`--out`).
+while requests follow each other within about 100 ms). `--burst N` then sends N prompts of
+`--burst-len` tokens at once through the frontend, one token out each, and reports the wall time
+from the first send to the last answer, prompt tokens per second over it, and TTFT p50 and max:
+prompts prefilled side by side. Prints a table and writes JSON (`--out`).
 
     python -m bench.ttft                                   # CPU, built-in model, 2 ranks
     python -m bench.ttft --lengths 4,64 -- --Worker.dp_size=1
+    python -m bench.ttft --lengths 128 --burst 32 --burst-len 1024 -- --Worker.max_seqs=32
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import re
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -81,6 +86,28 @@ def summary(ms: list[float]) -> dict:
     return {"p50": statistics.median(ms), "p90": q[-1], "min": min(ms), "max": max(ms)}
 
 
+def burst(base: str, model: str, n: int, length: int) -> dict:
+    """`n` prompts of `length` tokens sent at once (a connection each), one token out each."""
+    prompts = [prompt(length, shift) for shift in range(n)]
+    clients = [httpx.Client(base_url=base, timeout=300) for _ in range(n)]
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            t0 = time.perf_counter()
+            runs = list(pool.map(lambda c, t: one(c, model, t, 1), clients, prompts))
+            wall = time.perf_counter() - t0
+    finally:
+        for c in clients:
+            c.close()
+    ttft = [r[0] for r in runs]
+    return {
+        "prompts": n,
+        "prompt_tokens": length,
+        "wall_s": wall,
+        "prompt_tok_per_s": n * length / wall,
+        "ttft_ms": {"p50": statistics.median(ttft), "max": max(ttft)},
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="4,64,256", help="prompt lengths in tokens (default %(default)s)")
@@ -88,12 +115,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed requests per row (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=4, help="tokens each request generates (default %(default)s)")
     p.add_argument("--gap-s", type=float, default=0.0, help="idle between requests (default %(default)s)")
+    p.add_argument("--burst", type=int, default=0, help="prompts sent at once after the lone rows (default: none)")
+    p.add_argument("--burst-len", type=int, default=1024, help="tokens of each burst prompt (default %(default)s)")
     p.add_argument("--out", type=Path, default=Path("bench/results/ttft.json"), help="JSON output path")
     p.add_argument("graph_args", nargs="*", help="extra `dynamo serve` options after --")
     args = p.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     srv = Server(args.graph_args)
-    rows = []
+    rows, bursts = [], []
     prompts: dict[int, list[int]] = {}  # the same prompts on both targets
     try:
         targets = {"frontend": srv.url.rsplit("/v1", 1)[0], "dynamo": f"http://127.0.0.1:{dynamo_port(srv)}"}
@@ -119,6 +148,9 @@ def main() -> None:
                             "ttft_each_ms": [round(r[0], 2) for r in runs],
                         }
                     )
+        if args.burst:
+            one_at_once = burst(targets["frontend"], srv.model, 1, args.burst_len)  # warms the length's path
+            bursts = [one_at_once, burst(targets["frontend"], srv.model, args.burst, args.burst_len)]
     finally:
         srv.stop()
     result = {
@@ -127,6 +159,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "gap_s": args.gap_s,
         "rows": rows,
+        "bursts": bursts,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -138,6 +171,12 @@ def main() -> None:
         print(
             f"{r['target']:10} {r['prompt_tokens']:>6} {t['p50']:>9.1f} {t['p90']:>7.1f} {t['min']:>7.1f} "
             f"{t['max']:>7.1f} {r['total_ms']['p50']:>10.1f}"
+        )
+    for b in bursts:
+        print(
+            f"{b['prompts']} prompts of {b['prompt_tokens']} at once, 1 token out: {b['wall_s']:.3f} s, "
+            f"{b['prompt_tok_per_s']:,.0f} prompt tok/s, "
+            f"TTFT p50 {b['ttft_ms']['p50']:.1f} max {b['ttft_ms']['max']:.1f} ms"
         )
     print(f"wrote {args.out}", file=sys.stderr)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import time
 from pathlib import Path
 
 from components.engine.rank import EngineRank, RankConfig, rank_device
@@ -29,7 +30,9 @@ def main() -> None:
             rank=rank,
             max_ranks=world,
             device=rank_device(plan.get("device", "cpu"), rank),
-            max_len=256,
+            max_len=plan.get("max_len", 256),
+            max_seqs=plan.get("max_seqs", 16),
+            max_batched_tokens=plan.get("max_batched_tokens", 256),
             min_ranks=plan.get("min_ranks", 1),
             ep_timeout_s=60,
             # The peer-window exchange wherever it exists (CUDA), ranks sharing a GPU included:
@@ -52,10 +55,12 @@ def main() -> None:
         def run(batch, *args):
             out = fn(batch, *args)
             by_slot = {s.slot: s for s in eng.sched.running}
+            decodes = args[1] if len(args) > 1 else None  # a mixed graph's step (DecodeGraphs.run)
             for i, (slot, ctx) in enumerate(zip(*host(batch))):
                 seq = by_slot[slot]
                 if ctx == len(seq.tokens) + seq.pending:  # it draws a token not yet known
-                    logits.setdefault(seq.req.request_id, []).append(out[i].tolist())
+                    row = i if decodes is None else eng.graphs.row(i, decodes)
+                    logits.setdefault(seq.req.request_id, []).append(out[row].tolist())
             return out
 
         return run
@@ -92,8 +97,10 @@ def main() -> None:
                 if sum(k.endswith("/end") for k in outs) == n:
                     done.set()
 
-        for i, p in mine:
-            eng.submit(GenerateRequest(str(i), p, max_tokens=plan["max_tokens"], ignore_eos=True), emit)
+        sampling = plan.get("sampling") or [{}] * len(plan["prompts"])
+        for i, p in mine:  # `stagger_s` apart: prompts arriving while others decode
+            eng.submit(GenerateRequest(str(i), p, max_tokens=plan["max_tokens"], ignore_eos=True, **sampling[i]), emit)
+            time.sleep(phase.get("stagger_s", 0))
         if mine:
             done.wait(timeout=120)
         write(d / f"done{epoch}.{rank}", b"")
@@ -104,6 +111,7 @@ def main() -> None:
                 "tokens": {k: v for k, v in outs.items() if not k.endswith("/end")},
                 "logits": {k: logits.pop(k) for k in list(logits)},
                 "rows": eng.expert_rows - rows0,
+                "mixed_steps": eng.sched.mixed_steps,
                 "captures": eng.graphs.captures if eng.graphs else 0,
                 "captures_sizes": eng.graphs.sizes if eng.graphs else [],
                 "replays": eng.graphs.replays if eng.graphs else 0,

@@ -32,22 +32,25 @@ def prompt_cuts(log, rid: str) -> list[int]:
     return [n for step in log for r, n in step if r == rid and n > 1]
 
 
-def test_invariant_steps_are_all_decodes_or_one_prompt_chunk():
+def test_invariant_steps_carry_every_decode_and_whole_prompt_pieces_oldest_first():
     sched = Scheduler(max_seqs=8, max_len=4096, max_batched_tokens=256, eos_token_ids=[0], invariant=True)
     for i in range(3):
         add(sched, f"d{i}", 4)
-    run(sched, 6)  # the three short prompts prefilled and decoding
+    assert run(sched, 1) == [[("d0", 4), ("d1", 4), ("d2", 4)]]  # three short prompts share a step
+    run(sched, 2)
     add(sched, "long", 600)
     add(sched, "short", 10)
-    log = run(sched, 12)
-    for step in log:
-        chunks = [n for _, n in step if n > 1]
-        assert chunks == [] or len(step) == 1, f"a prompt chunk shared a step: {step}"
-    # Prefill and decode steps take turns while both wait, the oldest prompt first.
-    assert [step[0][0] if len(step) == 1 else "decode" for step in log[:8]] == [
-        "long", "decode", "long", "decode", "long", "decode", "short", "decode"
-    ]  # fmt: skip
-    assert prompt_cuts(log, "long") == [256, 256, 88] and prompt_cuts(log, "short") == [10]
+    add(sched, "tiny", 2)
+    log = run(sched, 5)
+    decodes = [("d0", 1), ("d1", 1), ("d2", 1)]
+    # Every step holds every decode; the prompt tokens beside them, up to the budget, in pieces
+    # cut at multiples of it: "short" waits behind the older "long" until its last piece leaves
+    # room, then "short" and "tiny" join it in one step.
+    assert log[0] == [*decodes, ("long", 256)]
+    assert log[1] == [*decodes, ("long", 256)]
+    assert log[2] == [*decodes, ("long", 88), ("short", 10), ("tiny", 2)]
+    assert log[3] == [*decodes, ("long", 1), ("short", 1), ("tiny", 1)]
+    assert sched.mixed_steps == 1 + 3  # the first step (three prompts), and the three beside decodes
 
 
 def test_invariant_prompt_cuts_do_not_depend_on_the_load():

@@ -1,5 +1,22 @@
-"""Piecewise CUDA graphs for decode, and for prompt chunks laid out one token a row (a row's
-context ending at itself makes the decode attention causal; see scheduler.batch's per_token).
+"""Piecewise CUDA graphs for decode, and for mixed steps: decodes beside prompt pieces laid out
+one token a row (a row's context ending at itself makes the decode attention causal; see
+Scheduler.rows's per_token).
+
+Batch invariance (`split`): two graphs. A decode-only step runs the graph of max_seqs rows, as
+it always did (its speed is the decode floor's). A step with prompt tokens runs the mixed graph of
+max_seqs + max_batched_tokens rows: decodes in rows [0, max_seqs), padding behind them, prompt
+tokens from row max_seqs on, padding behind those. Every kernel but cuBLAS's computes a row from
+that row alone (the Triton experts, attention, norms, rotary, routing and combine); cuBLAS picks a
+kernel, and so a row's rounding, by the row count, so the mixed graph runs every dense projection
+as two GEMMs split at max_seqs (layers.split_rows): the decode rows meet the very kernels of the
+decode graph, and a prompt token those of the one prompt capacity, whatever the step holds. The
+cost: a mixed step pays the prompt part's padding rows in the dense projections and lm_head (they
+attend over one key and go to no expert), and a second launch per projection; a step's prompt
+tokens still run as GEMMs of max_batched_tokens rows at tensor-core speed. (The alternative, one
+Triton GEMM with a fixed tiling for every row count, as expert_gemm is, would put the decode step's
+dense projections on kernels slower than cuBLAS's at 32 rows.) Prompt rows draw one at a time, as
+rows of one (their draw, too, does not depend on the step); decode rows in the sampling graph of
+the decode graph's size, as in a decode-only step.
 
 The EP all-to-all is driven from the host (variable sizes, notifications), so it cannot live in a
 graph. A decode step is therefore captured as segments split at each expert-parallel feed-forward,
@@ -20,8 +37,9 @@ import logging
 
 import numpy as np
 import torch
+from torch import nn
 
-from components.engine.models.layers import ForwardBatch, KVCache, StepRows, with_pending
+from components.engine.models.layers import ForwardBatch, KVCache, SplitLinear, StepRows, rows_split_at, with_pending
 from components.engine.models.moe import Dispatch
 from components.engine.sampler import SampleParams, sample
 
@@ -29,9 +47,16 @@ log = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv: KVCache, batch_sizes: list[int], scratch_slot: int):
+    def __init__(self, model, kv: KVCache, batch_sizes: list[int], scratch_slot: int, split: int = 0):
+        """`split` (batch-invariant): the decode rows of a mixed step, max_seqs; each graph larger
+        than it is a mixed graph, its dense projections split there."""
         self.model, self.kv = model, kv
         self.sizes = sorted(batch_sizes)
+        self.split = split
+        if split:
+            for m in model.modules():
+                if type(m) is nn.Linear:  # the same parameters, computed in two parts under rows_split_at
+                    m.__class__ = SplitLinear
         self.scratch_slot = scratch_slot  # KV slot that padded rows write into
         dev = model.lm_head.weight.device
         B, H = self.sizes[-1], model.cfg.hidden_size
@@ -160,14 +185,14 @@ class DecodeGraphs:
         ep.set_masked_warmup(True)
         stream = self._warmup_stream
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), rows_split_at(self.split if b > self.split else 0):
             for seg in segs:  # warm up kernels (and their autotuning) outside the capture
                 seg()
         torch.cuda.current_stream().wait_stream(stream)
         graphs = []
         for seg in segs:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            with torch.cuda.graph(g, pool=self.pool), rows_split_at(self.split if b > self.split else 0):
                 seg()
             self.pool = g.pool()
             graphs.append(g)
@@ -183,21 +208,32 @@ class DecodeGraphs:
         for b in reversed(self.sizes):
             self._capture(b)
 
-    def fits(self, rows: StepRows) -> bool:
-        return rows.decode_only and len(rows.q_lens) <= self.sizes[-1]
+    def fits(self, rows: StepRows, decodes: int | None = None) -> bool:
+        """Whether the step of `rows` has a graph: decode rows; or (`decodes`: its leading decode
+        rows, prompt pieces one token a row behind them) a mixed graph's."""
+        if decodes is None:
+            return rows.decode_only and len(rows.q_lens) <= self.sizes[-1]
+        return bool(self.split) and decodes <= self.split and len(rows.ids) - decodes <= self.sizes[-1] - self.split
 
-    def run(self, rows: StepRows, drawn: torch.Tensor | None = None) -> torch.Tensor:
-        """Queue the step of `rows` (decode rows, or one prompt chunk a token a row); returns its
-        logits, and `greedy` holds each row's argmax, both valid once the stream gets there.
-        `drawn`: the draws of the step before, where rows with a `src` read their ids."""
+    def run(self, rows: StepRows, drawn: torch.Tensor | None = None, decodes: int | None = None) -> torch.Tensor:
+        """Queue the step of `rows` (decode rows; or, with `decodes`, that many decode rows and
+        prompt pieces one token a row behind them, in the mixed graph); returns its logits, and
+        `greedy` holds each row's argmax, both valid once the stream gets there, a row each of
+        the graph (`row` maps the step's rows there). `drawn`: the draws of the step before,
+        where rows with a `src` read their ids."""
         real = len(rows.ids)
-        b = next(s for s in self.sizes if s >= real)
+        b = next(s for s in self.sizes if s >= real) if decodes is None else self.sizes[-1]
         turn = self.replays % 2
         self._staged[turn].synchronize()  # long done: the caller waited for the step that read it
         host = self.staging[turn].numpy()
         src = rows.src if rows.src is not None else [-1] * real
-        host[:, :real] = (rows.ids, rows.positions, rows.token_slots, rows.ctx_lens, [1] * real, src)
-        host[:, real:b] = self.padding
+        fields = (rows.ids, rows.positions, rows.token_slots, rows.ctx_lens, [1] * real, src)
+        if decodes is None:
+            host[:, :real] = fields
+            host[:, real:b] = self.padding
+        else:
+            host[:, :b] = self.padding
+            host[:, [self.row(i, decodes) for i in range(real)]] = fields
         self.inputs.copy_(self.staging[turn], non_blocking=True)
         self._staged[turn].record()
         if rows.reads_pending:
@@ -205,20 +241,25 @@ class DecodeGraphs:
         self.model.ep.sync_mask()
         graphs, layouts = self.graphs[b], self.dispatch[b]
         self.replays += 1
-        self._last = b
+        self._last = b if decodes is None else self.split  # the decode rows' sampling graph
         if len(graphs) == 1:  # the exchanges are inside
             graphs[0].replay()
-            return self.logits[:real]
-        for k, moe in enumerate(self.moes):
-            graphs[k].replay()
-            moe.exchange(layouts[k], self.y[k][: b * moe.top_k])
-        graphs[-1].replay()
-        return self.logits[:real]
+        else:
+            for k, moe in enumerate(self.moes):
+                graphs[k].replay()
+                moe.exchange(layouts[k], self.y[k][: b * moe.top_k])
+            graphs[-1].replay()
+        return self.logits[:real] if decodes is None else self.logits[:b]
+
+    def row(self, i: int, decodes: int) -> int:
+        """The mixed graph's row of a step's row i, its first `decodes` rows decodes."""
+        return i if i < decodes else self.split + i - decodes
 
     def sample(self, params: SampleParams) -> torch.Tensor:
         """Draw a token for each decode row of the step just queued (`run`), with `params` a row
-        each, in the sampling graph of that step's size; returns the ids, valid once the stream
-        gets there. Padding rows draw greedily and are not returned."""
+        each, in the sampling graph of that step's decode size (a mixed step's: max_seqs, its
+        decode rows); returns the ids, valid once the stream gets there. Padding rows draw
+        greedily and are not returned."""
         real, b = len(params.seed), self._last
         # This turn's staging was last read by the copies of the step before the one before,
         # whose ids were read before this step was queued.

@@ -12,6 +12,7 @@ paused, or between steps when it only touches this rank.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -106,17 +107,23 @@ def context_length(requested: int, mc, max_seqs: int, dtype: torch.dtype, device
 
 
 def decode_graph_sizes(cfg: RankConfig) -> list[int]:
-    """The row counts a CUDA rank captures graphs for. Batch-invariant: max_seqs for every decode
-    step, so a decode is the same graph under any load (padding rows are dispatched to no expert
-    and attend over one key block), and the powers of two above it up to max_batched_tokens for
-    prompt chunks, one token a row, the size chosen by the chunk alone. Otherwise powers of two up
-    to max_seqs, and max_seqs itself, so no decode batch falls back to eager kernels."""
+    """The row counts a CUDA rank captures graphs for. Batch-invariant: max_seqs for every
+    decode-only step, so a decode is the same graph under any load (padding rows are dispatched to
+    no expert and attend over one key block), and max_seqs + max_batched_tokens for every step
+    with prompt tokens (cuda_graphs.py: decodes, then prompt tokens one a row). Otherwise powers of
+    two up to max_seqs, and max_seqs itself, so no decode batch falls back to eager kernels."""
     top, budget = cfg.max_seqs, cfg.max_batched_tokens
     if cfg.cuda_graph_sizes is not None:
-        return sorted(b for b in cfg.cuda_graph_sizes if b <= max(top, budget))
+        return sorted(b for b in cfg.cuda_graph_sizes if b <= step_rows(cfg))
     if cfg.batch_invariant:
-        return sorted({top, *(1 << i for i in range(budget.bit_length()) if top < 1 << i < budget), max(top, budget)})
+        return [top, top + budget]
     return sorted({*(1 << i for i in range(top.bit_length()) if 1 << i < top), top})
+
+
+def step_rows(cfg: RankConfig) -> int:
+    """The most tokens one step computes: the budget, and under batch invariance every decode
+    beside it (Scheduler)."""
+    return cfg.max_batched_tokens + (cfg.max_seqs if cfg.batch_invariant else 0)
 
 
 def _free_memory(device: torch.device) -> int:
@@ -171,7 +178,7 @@ def ep_communicator(cfg: RankConfig, device: torch.device, mc, dtype: torch.dtyp
     from components.engine.exchange.windows import PeerWindows, WindowCommunicator
     from components.engine.weights.same_node import node_id
 
-    rows = max(cfg.max_batched_tokens, cfg.max_seqs) * mc.top_k  # the most one step sends one peer
+    rows = max(step_rows(cfg), cfg.max_seqs) * mc.top_k  # the most one step sends one peer
     windows = PeerWindows(cfg.rank, cfg.max_ranks, rows, mc.hidden_size, dtype, device, node_id(), cfg.ep_timeout_s)
     return WindowCommunicator(host, windows)
 
@@ -203,7 +210,7 @@ class EngineRank:
         self.slots_per_rank = min(mc.num_experts, slots_needed(mc.num_experts, cfg.min_ranks, cfg.redundant_experts))
         # The largest message of a step: every token's top-k rows to one peer (row + int32 slot).
         row = mc.hidden_size * self.dtype.itemsize + 4
-        capacity = max(64, cfg.max_batched_tokens * mc.top_k * row)
+        capacity = max(64, max(step_rows(cfg), cfg.max_seqs) * mc.top_k * row)
         self.comm = comm or ep_communicator(cfg, self.device, mc, self.dtype, capacity)
         self.expert_map = ExpertMap(mc.num_moe_layers, mc.num_experts, cfg.max_ranks, self.slots_per_rank, self.device)
         self.model = build_model(mc, ExpertParallel(self.comm, self.expert_map), self.max_len, self.dtype, self.device)
@@ -224,7 +231,8 @@ class EngineRank:
         if self.device.type == "cuda" and sizes:
             from components.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs)
+            split = cfg.max_seqs if cfg.batch_invariant and sizes[-1] > cfg.max_seqs else 0
+            self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs, split=split)
         if self.device.type == "cuda":
             # A weight pull's kernels, loaded now rather than in a joiner's first pull (and so
             # held by a snapshot's image).
@@ -488,8 +496,10 @@ class EngineRank:
                 continue
             has_work = self.sched.has_work()
             if not has_work and not self._peers_busy and not self._pause_wanted and self._launched is None:
-                # Nobody had work last time: wait a little for ours before asking again.
-                if self._wake.wait(self.cfg.idle_wait_s):
+                # Nobody had work last time: wait a little for ours before asking again; a rank
+                # alone in the group has nobody to ask, and waits until something is posted.
+                alone = len(self.comm.active) == 1
+                if self._wake.wait(None if alone else self.cfg.idle_wait_s):
                     self._wake.clear()
                     self._drain()
                 has_work = self.sched.has_work()
@@ -563,6 +573,8 @@ class EngineRank:
             self._abandon(step)
             raise
         self._launched = step
+        if step.done is None:  # computed as it was queued (CPU): its tokens go out now, not a step later
+            self._complete()
 
     def _launch(self, work: list[tuple[Sequence, int]]) -> Launched:
         """Queue the step of `work` (none: a dummy step, taking part in the collectives) and the
@@ -572,25 +584,20 @@ class EngineRank:
             self.model.dummy_step()
             ids = None
         else:
-            # A prompt chunk of a batch-invariant rank runs through the graphs one token a row,
-            # in the graph its length picks: only its last row's logits are sampled.
-            rows = (
-                self.graphs is not None
-                and self.cfg.batch_invariant
-                and len(work) == 1
-                and 1 < work[0][1] <= self.graphs.sizes[-1]
-            )
-            step = self.sched.rows(work, per_token=rows)
+            # A batch-invariant step with prompt pieces runs in the mixed graph, its prompt
+            # tokens one a row behind the decodes (cuda_graphs.py).
+            decodes = self.sched.decode_rows(work) if self.cfg.batch_invariant else len(work)
+            mixed = self.graphs is not None and decodes < len(work)
+            step = self.sched.rows(work, per_token=mixed)
             params = self._sample_params(work)
-            if self.graphs is not None and self.graphs.fits(step):
+            if mixed and self.graphs.fits(step, decodes):
+                ids = self._run_mixed(work, step, decodes, params, drawn)
+            elif not mixed and self.graphs is not None and self.graphs.fits(step):
                 logits, greedy = self.graphs.run(step, drawn), self.graphs.greedy[: len(step.ids)]
-                if params is None:
-                    ids = greedy[-1:] if rows else greedy
-                elif rows:  # a prompt chunk: only its last row draws, once a prompt
-                    ids = sample(logits[-1:], *params.on(self.device))
-                else:  # in the sampling graph of the decode graph's size
-                    ids = self.graphs.sample(params)
+                ids = greedy if params is None else self.graphs.sample(params)
             else:
+                if mixed:  # graphs too small for the step: the chunked layout, eagerly
+                    step = self.sched.rows(work)
                 sampling = params.on(self.device) if params is not None else None  # copied in before the forward
                 logits = self.model(step.on(self.device, drawn), self.kv)
                 ids = torch.argmax(logits, dim=-1) if params is None else sample(logits, *sampling)
@@ -604,6 +611,23 @@ class EngineRank:
             done = self._done[self._turn]
             done.record()
         return Launched(work, self.sched.advance(work), ids, host, done)
+
+    def _run_mixed(self, work, step: StepRows, decodes: int, params: SampleParams | None, drawn) -> torch.Tensor:
+        """Queue `work` (its first `decodes` entries decodes) in the mixed graph; returns each
+        entry's draw on the device. Decode rows draw as in a decode-only step (the sampling graph
+        of max_seqs rows), each prompt piece at its last token, a row alone: no draw depends on
+        what shares the step."""
+        graphs = self.graphs
+        logits = graphs.run(step, drawn, decodes)
+        ends = list(itertools.accumulate(n for _, n in work[decodes:]))
+        last = [graphs.row(decodes + e - 1, decodes) for e in ends]
+        if params is None:
+            at = torch.tensor([*range(decodes), *last], dtype=torch.int64).to(self.device, non_blocking=True)
+            return graphs.greedy.index_select(0, at)
+        parts = [graphs.sample(SampleParams(*(f[:decodes] for f in params)))] if decodes else []
+        for j, r in enumerate(last, start=decodes):
+            parts.append(sample(logits[r : r + 1], *SampleParams(*(f[j : j + 1] for f in params)).on(self.device)))
+        return torch.cat(parts)
 
     def _complete(self) -> None:
         """Wait for the step in flight, then give its sequences their tokens; if its exchange

@@ -1,12 +1,19 @@
 """Continuous batching, in one of two policies.
 
 Mixed (vLLM's default shape): each step takes every decode, then prefill chunks up to a token
-budget. Batch-invariant: a step is either every decode or one chunk of one prompt, the two taking
-turns while both wait. A token's arithmetic then never depends on what else is running: decodes
-run as one fixed-size CUDA graph whatever their number (see rank.decode_graph_sizes), and a
-prompt is cut into the same chunks, computed alone, under any load; in a mixed step the kernels
-that cuBLAS picks, the attention's key length and the chunking all follow the other requests, and
-bf16 greedy completions change with the load."""
+budget, cut where the budget left after the decodes ends. Batch-invariant (the default): each step
+takes every decode too, then whole pieces of prompts, oldest prompt first, up to
+`max_batched_tokens` prompt tokens (decodes do not count against it, so a decode never waits for
+a prompt and a prompt never shrinks because decodes run). A prompt's pieces are cut at multiples of
+`max_batched_tokens` from its start, and a piece that does not fit in what is left of a step waits
+for the next one whole: the cuts depend on the prompt alone, never on the load. Several short
+prompts share a step; a long one fills steps of its own beside the decodes.
+
+That is half of the invariance; the other half is that a row's arithmetic does not depend on the
+step's rows (rank.py, cuda_graphs.py): on CUDA a decode-only step is the graph of max_seqs rows,
+and a step with prompt tokens the mixed graph, decodes in its first max_seqs rows and the prompt
+tokens one a row behind them, every dense projection split at that boundary so that both parts
+run at row counts the load does not choose."""
 
 from __future__ import annotations
 
@@ -53,7 +60,8 @@ class Scheduler:
     def __init__(self, max_seqs: int, max_len: int, max_batched_tokens: int, eos_token_ids, invariant: bool):
         self.max_len, self.budget = max_len, max_batched_tokens
         self.invariant = invariant
-        self._prefill_turn = False
+        # Steps that carried prompt tokens beside other rows (decodes or another prompt's piece).
+        self.mixed_steps = 0
         self.eos = set(eos_token_ids)
         self.max_seqs = max_seqs
         self.free_slots = list(range(max_seqs))[::-1]
@@ -106,18 +114,28 @@ class Scheduler:
         return work
 
     def _schedule_invariant(self) -> list[tuple[Sequence, int]]:
-        prefills = [s for s in self.running if s.num_computed < s.sample_from]
-        decodes = [(s, 1) for s in self.running if s.num_computed >= s.sample_from and self.step_tokens(s)]
-        self._prefill_turn = bool(prefills) and (not decodes or not self._prefill_turn)
-        if self._prefill_turn:
-            seq = prefills[0]  # admission order: the oldest prompt first
-            # Chunks of the whole budget from the prompt's start: the same cuts under any load.
-            return [(seq, min(seq.sample_from - seq.num_computed, self.budget))]
-        return decodes
+        work = [(s, 1) for s in self.running if s.num_computed >= s.sample_from and self.step_tokens(s)]
+        room = self.budget
+        for seq in self.running:  # admission order: the oldest prompt first
+            if seq.num_computed < seq.sample_from:
+                n = min(seq.sample_from - seq.num_computed, self.budget)  # to the next multiple of it
+                if n > room:  # whole pieces only, and none overtakes an older prompt's
+                    break
+                work.append((seq, n))
+                room -= n
+        if room < self.budget and len(work) > 1:
+            self.mixed_steps += 1
+        return work
+
+    @staticmethod
+    def decode_rows(work: list[tuple[Sequence, int]]) -> int:
+        """How many of `work`'s leading entries are decodes (the rest: prompt pieces); a prompt
+        piece of one token counts as a prompt's, whatever its length."""
+        return sum(1 for seq, _ in work if seq.num_computed >= seq.sample_from)
 
     def rows(self, work: list[tuple[Sequence, int]], per_token: bool = False) -> StepRows:
-        """`per_token` (one prompt's chunk): each token a row of its own, its context ending at
-        itself, so the chunk runs through the decode graphs with causal attention by row length.
+        """`per_token`: each token a row of its own, its context ending at itself, so prompt pieces
+        run through the graphs with causal attention by row length beside the decodes.
         A decode whose token the step in flight is still drawing reads it there (`src`)."""
         ids, src, pos, tslots, last, ctx = [], [], [], [], [], []
         for seq, n in work:

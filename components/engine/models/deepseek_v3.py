@@ -40,7 +40,7 @@ from components.engine.models.hf_layout import (
     swiglu_names,
     swiglu_shapes,
 )
-from components.engine.models.layers import ForwardBatch, GatedMLP, KVCache, MlpBlock, RMSNorm, Rotary
+from components.engine.models.layers import ForwardBatch, GatedMLP, KVCache, MlpBlock, RMSNorm, Rotary, split_rows
 from components.engine.models.moe import SparseMoE
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class LatentAttention(nn.Module):
             cache[batch.token_slots, batch.positions] = torch.cat((latent.unsqueeze(1), k_rope), dim=-1)
         w = self.kv_b_proj.weight.view(nh, nope + p.v_head_dim, lora)
         # q_nope through each head's key up-projection: a query in latent space [T, nh, lora].
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)
+        q_latent = split_rows(lambda q: torch.bmm(q.transpose(0, 1), w[:, :nope]).transpose(0, 1), q_nope)
         if batch.decode_only:
             out = self._decode(q_latent, q_rope, cache, batch)
         else:
@@ -210,7 +210,7 @@ class LatentAttention(nn.Module):
             scale = p.softmax_scale
             out = torch.cat([latent_prefill(query, cache, lora, batch, i, s, scale) for i, s in enumerate(starts)])
         # Each head's latent output through its value up-projection: [T, nh, v_head_dim].
-        out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+        out = split_rows(lambda o: torch.bmm(o.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1), out)
         return self.o_proj(out.reshape(T, nh * p.v_head_dim))
 
     def _decode(self, q_latent, q_rope, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -237,8 +237,8 @@ class Router(nn.Module):
         return super()._apply(lambda t: fn(t).float(), recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The router logits, in fp32."""
-        return F.linear(x.float(), self.weight)
+        """The router logits, in fp32 (a projection: split as a mixed step's rows are, layers.split_rows)."""
+        return split_rows(lambda r: F.linear(r.float(), self.weight), x)
 
 
 class DeepseekMoE(SparseMoE):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,6 +19,38 @@ def with_pending(ids: torch.Tensor, src: torch.Tensor, drawn: torch.Tensor) -> t
     """`ids`, each row with a `src` >= 0 taking `drawn[src]` instead: the token the step before
     drew for it, not yet read back when this step was queued (StepRows.src)."""
     return torch.where(src >= 0, drawn[src.clamp(min=0)], ids)
+
+
+_split = threading.local()
+
+
+@contextmanager
+def rows_split_at(n: int):
+    """Inside: `split_rows` computes rows [:n] and [n:] of a batch apart (a mixed graph's capture,
+    cuda_graphs.DecodeGraphs): each part at its own fixed row count."""
+    _split.n = n
+    try:
+        yield
+    finally:
+        _split.n = 0
+
+
+def split_rows(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an fn that maps rows to rows (a projection): under `rows_split_at(n)`, rows [:n]
+    and [n:] in calls of their own. cuBLAS picks its kernel, and so a row's rounding, by the row
+    count: the decodes of a mixed step then meet the kernels of a decode-only step of max_seqs
+    rows, and the prompt rows those of the fixed prompt capacity, whatever the step holds."""
+    n = getattr(_split, "n", 0)
+    if not n or x.shape[0] <= n:
+        return fn(x)
+    return torch.cat((fn(x[:n]), fn(x[n:])))
+
+
+class SplitLinear(nn.Linear):
+    """nn.Linear under `split_rows` (DecodeGraphs turns a model's nn.Linear into these)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return split_rows(super().forward, x)
 
 
 class StepRows(NamedTuple):
