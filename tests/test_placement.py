@@ -123,11 +123,25 @@ def test_grow_keeps_serving_slots_and_fills_joiners_hottest_first():
     assert interim(current, target) == current  # nothing that serves is overwritten
 
 
-def test_grow_without_load_goes_by_expert_id():
+def test_grow_without_load_goes_by_holders_then_expert_id():
     current = balanced_placement(1, 3, 4, 2, [0, 1])
     assert current == P(2, [0, 2, 1, 0, _, _, _, _])
-    # One count runs over all joiners' slots, wrapping around the experts.
-    assert grow(current, [3, 2], 3) == P(2, [0, 2, 1, 0] + [0, 1] + [2, 0])
+    # Experts 1 and 2 have one holder, 0 two: they go first; joiner 3 then starts again at 0.
+    assert grow(current, [3, 2], 3) == P(2, [0, 2, 1, 0] + [1, 2] + [0, 1])
+
+
+def test_a_failover_replacement_gets_back_the_replicas_the_failed_rank_held():
+    """3 ranks of 6 slots hold 8 experts on at least two ranks each; rank 1 fails: the survivors
+    serve every expert without a load (`shrink` changes no slot), and its replacement's slots get
+    the experts left on one rank, so each is on two ranks again."""
+    current = balanced_placement(1, 8, 3, 6, [0, 1, 2])
+    holders = lambda p: [len({s // 6 for s, x in enumerate(p.slots[0]) if x == e}) for e in range(8)]  # noqa: E731
+    assert min(holders(current)) == 2
+    survivors = shrink(current, [1], 8)
+    assert changed_slots(current, survivors) == []
+    assert holders(survivors) == [2, 2, 1, 2, 1, 1, 2, 1]
+    target = grow(survivors, [1], 8)
+    assert target.experts_on(1, 0) == [2, 4, 5, 7, 0, 1] and min(holders(target)) == 2
 
 
 # ---- shrink -----------------------------------------------------------------------------------
@@ -273,9 +287,12 @@ def test_invariants_over_random_configurations():
                 for layer in range(layers):
                     for r in active:  # serving slots keep their experts
                         assert target.experts_on(r, layer) == p.experts_on(r, layer)
-                    hot = hot_order(E, load[layer])
-                    filled = [e for r in joiners for e in target.experts_on(r, layer)]
-                    assert filled == [hot[i % E] for i in range(len(filled))]
+                    held = [len({r for r in active if e in p.experts_on(r, layer)}) for e in range(E)]
+                    for r in joiners:  # one copy of an expert per joiner
+                        assert len(set(target.experts_on(r, layer))) == S
+                    # The first joiner takes the experts the fewest ranks hold.
+                    first = target.experts_on(joiners[0], layer)
+                    assert all(held[e] >= max(held[x] for x in first) for e in range(E) if e not in first)
             elif op == "shrink" and len(active) > 1:
                 leaving = sorted(rng.sample(active, rng.randint(1, len(active) - 1)))
                 remaining = [r for r in active if r not in leaving]

@@ -72,17 +72,24 @@ def grow(
     current: Placement, new_ranks: Sequence[int], num_experts: int, load: Sequence[Sequence[int]] | None = None
 ) -> Placement:
     """Scale-up target: every slot that serves now keeps its expert (so retained ranks move no
-    weights and their graphs stay valid); the joiners' slots get replicas, hottest experts first."""
+    weights and their graphs stay valid); the joiners' slots get replicas, of the experts held by
+    the fewest ranks first (a failover's replacement gets back the copies the failed rank took),
+    hottest first among those, never two copies on one joiner while another expert lacks one."""
     S = current.slots_per_rank
+    new_ranks = sorted(new_ranks)
     rows = []
     for layer, row in enumerate(current.slots):
         row = list(row)
-        order = hot_order(num_experts, load[layer] if load else None)
-        i = 0
-        for r in sorted(new_ranks):
+        rank_of = hot_order(num_experts, load[layer] if load else None).index
+        holders = [set() for _ in range(num_experts)]
+        for slot, e in enumerate(row):
+            if e >= 0 and slot // S not in new_ranks:
+                holders[e].add(slot // S)
+        for r in new_ranks:
             for s in range(S):
-                row[r * S + s] = order[i % num_experts]
-                i += 1
+                e = min(range(num_experts), key=lambda x: (r in holders[x], len(holders[x]), rank_of(x)))
+                row[r * S + s] = e
+                holders[e].add(r)
         rows.append(row)
     return Placement(slots_per_rank=S, slots=rows)
 
