@@ -4,9 +4,9 @@ one fault per row, each on a fresh graph.
 
 Rows:
   serving rank killed / stalled   SIGKILL / SIGSTOP of rank 1 while it serves
-  serving rank killed, 4 slots    the same with 4 expert slots per rank (min_ranks 2): 2 of the 8
+  serving rank killed (4 slots)   the same with 4 expert slots per rank (min_ranks 2): 2 of the 8
                                   experts only rank 1 holds, the survivors load them from disk
-  serving rank killed, replicas   ... and 6 slots (4 redundant experts): every expert rank 1 holds
+  serving rank killed (replicas)  ... and 6 slots (4 redundant experts): every expert rank 1 holds
                                   has a replica on a survivor, nothing is read from disk
   serving rank killed mid scale-up
                                   SIGKILL of rank 1 while a scale-up 3 -> 4's joiner warms up
@@ -419,8 +419,8 @@ FAULTS: dict[
     # row: (injection and measurement, graph options it needs)
     "serving rank killed": (serving_rank(signal.SIGKILL), []),
     "serving rank stalled": (serving_rank(signal.SIGSTOP), []),
-    "serving rank killed, 4 slots": (serving_rank(signal.SIGKILL), ["--Worker.min_ranks=2"]),
-    "serving rank killed, replicas": (
+    "serving rank killed (4 slots)": (serving_rank(signal.SIGKILL), ["--Worker.min_ranks=2"]),
+    "serving rank killed (replicas)": (
         serving_rank(signal.SIGKILL),
         ["--Worker.min_ranks=2", "--Worker.redundant_experts=4"],
     ),
