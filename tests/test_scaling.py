@@ -378,6 +378,9 @@ def test_a_scale_up_masks_a_source_that_failed_mid_pull_out_and_repulls_its_read
     assert [x.placement.experts_on(1, 0) for x in ranks.messages(m.LoadExperts, 1)] == [[1, 2]]
     assert [c.active for c in ranks.messages(m.Configure, 0)] == [[0, 1], [0, 1, 3]]
     assert [c.active for c in ranks.messages(m.Configure, 3)] == [[0, 1, 3]]
+    # The joiner serves the experts it pulled (2 and 3, then on one rank each), not the ones grow
+    # would now give it (0 and 1: after the masking every expert is on one rank).
+    assert [c.placement.experts_on(3, 0) for c in ranks.messages(m.Configure, 3)] == [[2, 3]]
     assert op.record.failover_downtime_s is not None and op.record.failover_committed_at is not None
     assert list(op.record.phases) == ["starting", "loading", "masking", "warming", "connecting", "committing"]
 

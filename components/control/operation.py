@@ -746,8 +746,13 @@ class Operation:
         await self.start_joiners(fault)
         self.transition(Phase.LOADING, "dense weights spread over serving ranks, experts per the target map")
         await self.pull_experts(current, target, list(self.active), dense_to=self.joiners)
-        if self.failed:  # masked out meanwhile: the joiners' slots as planned, the others the survivors'
-            target = grow(self.topology.placement, self.joiners, self.num_experts, self.load)
+        if self.failed:  # masked out meanwhile: the joiners' slots as pulled, the others the survivors'
+            S, now = target.slots_per_rank, self.topology.placement.slots
+            rows = [
+                [t if s // S in self.joiners else x for s, (t, x) in enumerate(zip(a, b))]
+                for a, b in zip(target.slots, now)
+            ]
+            target = Placement(slots_per_rank=S, slots=rows)
         if not req.mode.warms_inside_pause:
             self.transition(Phase.WARMING, "joiners alone, remote peers masked")
             await self.call(self.joiners, lambda r: Warmup(placement=target))

@@ -41,7 +41,9 @@ def balanced_placement(
     """Spread experts over the active ranks' slots; fill the remaining active slots with replicas.
 
     Expert e goes to active rank e % n (so every rank gets a share), and spare slots cycle through
-    the experts again, which gives each expert at most ceil(slots/E) copies."""
+    the experts again, which gives each expert at most ceil(slots/E) copies; a rank takes the
+    next copy of an expert it does not hold yet, so that a rank that fails leaves a copy of its
+    experts on the others wherever the slots allow."""
     active = sorted(active)
     n = len(active)
     if n == 0:
@@ -54,10 +56,21 @@ def balanced_placement(
         )
     row = [-1] * (max_ranks * slots_per_rank)
     fill = [0] * n  # next free slot index on each active rank
+    held: list[set[int]] = [set() for _ in range(n)]
+    copies = [i % num_experts for i in range(capacity)]  # in the order they are handed out
     for i in range(capacity):
-        expert = i % num_experts
         r = i % n
-        row[active[r] * slots_per_rank + fill[r]] = expert
+        slot = active[r] * slots_per_rank + fill[r]
+        expert = copies.pop(next((j for j, e in enumerate(copies) if e not in held[r]), 0))
+        if expert in held[r]:  # the copies left are all here already: trade with a rank filled before
+            filled = ((o, active[o] * slots_per_rank + s) for o in range(n) if o != r for s in range(fill[o]))
+            trade = next(((o, s) for o, s in filled if row[s] not in held[r] and expert not in held[o]), None)
+            if trade:
+                o, other = trade
+                held[o].symmetric_difference_update({row[other], expert})
+                row[other], expert = expert, row[other]
+        row[slot] = expert
+        held[r].add(expert)
         fill[r] += 1
     return Placement(slots_per_rank=slots_per_rank, slots=[list(row) for _ in range(num_layers)])
 
