@@ -4,6 +4,10 @@ one fault per row, each on a fresh graph.
 
 Rows:
   serving rank killed / stalled   SIGKILL / SIGSTOP of rank 1 while it serves
+  serving rank killed (4 slots)   the same with 4 expert slots per rank (min_ranks 2): 2 of the 8
+                                  experts only rank 1 holds, the survivors load them from disk
+  serving rank killed (replicas)  ... and 6 slots (4 redundant experts): every expert rank 1 holds
+                                  has a replica on a survivor, nothing is read from disk
   serving rank killed mid scale-up
                                   SIGKILL of rank 1 while a scale-up 3 -> 4's joiner warms up
   source rank killed mid pull     SIGKILL of rank 1 while a scale-up 3 -> 4's joiner pulls its
@@ -100,6 +104,7 @@ def wait_failover(srv: Server, rank: int, before: set[str], t_fault: float, time
                 "detected_s": found - t_fault,
                 "recovered_s": fo["committed_at"] - t_fault if fo["committed_at"] else None,
                 "failover_downtime_ms": fo["downtime_s"] * 1e3 if fo["downtime_s"] is not None else None,
+                "experts_from_disk": fo["experts_from_disk"],
                 "replaced_s": up["committed_at"] - t_fault if up["committed_at"] else None,
                 "operations": ops,
             }
@@ -414,6 +419,11 @@ FAULTS: dict[
     # row: (injection and measurement, graph options it needs)
     "serving rank killed": (serving_rank(signal.SIGKILL), []),
     "serving rank stalled": (serving_rank(signal.SIGSTOP), []),
+    "serving rank killed (4 slots)": (serving_rank(signal.SIGKILL), ["--Worker.min_ranks=2"]),
+    "serving rank killed (replicas)": (
+        serving_rank(signal.SIGKILL),
+        ["--Worker.min_ranks=2", "--Worker.redundant_experts=4"],
+    ),
     "serving rank killed mid scale-up": (serving_rank_killed_mid_scale_up, ["--Router.allow_fault_injection=true"]),
     "source rank killed mid pull": (source_killed_mid_pull, ["--Router.allow_fault_injection=true"]),
     "leaving rank killed": (leaving_rank_killed, []),
@@ -455,6 +465,7 @@ def run_row(fault: str, args, reference: list[str]) -> dict:
             "detected_s": measured.get("detected_s"),
             "recovered_s": measured.get("recovered_s"),
             "failover_downtime_ms": measured.get("failover_downtime_ms"),
+            "experts_from_disk": measured.get("experts_from_disk"),
             "replaced_s": measured.get("replaced_s"),
             "sent": len(traffic.results) + len(traffic.errors),
             "completed": len(traffic.results),
@@ -468,7 +479,7 @@ def run_row(fault: str, args, reference: list[str]) -> dict:
         srv.stop()
 
 
-ROW_KEYS = ("detected_s", "recovered_s", "failover_downtime_ms", "replaced_s")
+ROW_KEYS = ("detected_s", "recovered_s", "failover_downtime_ms", "experts_from_disk", "replaced_s")
 
 
 def row_names(text: str) -> tuple[list[str], list[str]]:
@@ -526,17 +537,18 @@ def main() -> None:
         "--Worker.dp_size=3 " + " ".join(args.graph_args)
     )
     print(
-        "| fault | detected s | recovered s | failover downtime ms | replaced s | sent | completed | "
-        "lost | wrong tokens | next /scale |"
+        "| fault | detected s | recovered s | failover downtime ms | experts from disk | replaced s | sent | "
+        "completed | lost | wrong tokens | next /scale |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['fault']} | row failed: {r['error']} |")
             continue
         print(
             f"| {r['fault']} | {f(r['detected_s'])} | {f(r['recovered_s'])} | "
-            f"{f(r['failover_downtime_ms'], '{:.1f}')} | {f(r['replaced_s'])} | {r['sent']} | {r['completed']} | "
+            f"{f(r['failover_downtime_ms'], '{:.1f}')} | {f(r['experts_from_disk'], '{}')} | {f(r['replaced_s'])} | "
+            f"{r['sent']} | {r['completed']} | "
             f"{r['lost']} | {r['wrong_tokens']} | {r['next_scale']} |"
         )
     print(f"wrote {args.out}")

@@ -125,6 +125,66 @@ def test_a_serving_ranks_pull_drops_its_stalled_source_when_the_router_fails_it(
     assert scale(srv, 3)["phase"] == "done"
 
 
+@pytest.fixture
+def slotted(request):
+    """3 ranks of 4 expert slots (min_ranks 2) and `request.param` redundant experts: with 4, six
+    slots, and each of the 8 experts is on two ranks or three. No EPLB after a scale: the
+    placement is the one to check."""
+    srv = Server(
+        [
+            "--Worker.max_ranks=3",
+            "--Worker.dp_size=3",
+            "--Worker.min_ranks=2",
+            f"--Worker.redundant_experts={request.param}",
+            "--Planner.enabled=false",
+            "--Router.rebalance=false",
+        ]
+    )
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def holders(topo: dict) -> dict[int, set[int]]:
+    """Expert -> the active ranks that hold it (layer 0; every layer's row is the same)."""
+    out: dict[int, set[int]] = {}
+    for r in topo["ranks"]:
+        if r["rank"] in topo["active"]:
+            for e in r["experts_layer0"]:
+                out.setdefault(e, set()).add(r["rank"])
+    return out
+
+
+@pytest.mark.parametrize("slotted, from_disk", [(4, 0), (0, 8)], indirect=["slotted"], ids=["replicas", "none"])
+def test_a_failed_ranks_experts_are_served_by_their_replicas_and_rebuilt_from_peers(slotted, from_disk, reference):
+    """SIGKILL of rank 1 under load. With replicas the survivors hold a copy of every expert it
+    held, so the failover reads nothing from the checkpoint, and its replacement pulls the experts
+    left on one rank from the survivors: every expert is on two ranks again. Without, the 2
+    experts only rank 1 held are loaded from the checkpoint (in each of the 4 layers). Nothing
+    lost, every token right."""
+    srv = slotted
+    copies = 2 if from_disk == 0 else 1  # each expert is on this many ranks before and after
+    assert min(len(ranks) for ranks in holders(srv.topology()).values()) == copies
+    pid, before = pid_of(srv, 1), operation_ids(srv)
+    with Traffic(srv, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        time.sleep(2.0)
+        os.kill(pid, signal.SIGKILL)
+        failover, topo = wait_for_failover(srv, 1, before)
+        time.sleep(2.0)
+    assert failover["phase"] == "done" and failover["error"] == "", (failover["error"], failover["phases"])
+    assert failover["experts_from_disk"] == from_disk and failover["pulled_from"] == {}, failover
+    assert ("experts loaded from the checkpoint where the map changed" in srv.output) == (from_disk > 0)
+    up = next(op for op in srv.control("GET", "/operations").json() if op["id"] not in before | {failover["id"]})
+    assert (up["kind"], up["joiners"], up["phase"], up["experts_from_disk"]) == ("up", [1], "done", 0), up
+    assert set(up["pulled_from"]) == {"1"} and set(up["pulled_from"]["1"]) <= {"0", "2"}, up["pulled_from"]
+    assert topo["active"] == [0, 1, 2]
+    assert {e: len(ranks) >= copies for e, ranks in holders(topo).items()} == {e: True for e in range(8)}
+    assert traffic.errors == []
+    assert len(traffic.results) > 12
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+
+
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_failed_serving_rank_is_replaced_under_load_and_nothing_is_lost(server, reference, fault):
     rank = 1

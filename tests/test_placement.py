@@ -83,9 +83,18 @@ def test_hot_order():
 
 def test_balanced_placement_spreads_then_replicates():
     p = balanced_placement(num_layers=2, num_experts=4, max_ranks=4, slots_per_rank=3, active=[1, 0])
-    # expert i % 4 on active rank i % 2: ranks 2 and 3 stay empty
-    row = [0, 2, 0, 1, 3, 1, _, _, _, _, _, _]
+    # expert i % 4 on active rank i % 2, a replica on the rank without it: ranks 2 and 3 stay empty
+    row = [0, 2, 1, 1, 3, 0, _, _, _, _, _, _]
     assert p == P(3, row, row)
+
+
+def test_balanced_placement_never_puts_two_copies_on_one_rank():
+    # 2 ranks of 8 slots (the default deployment) each hold all 8 experts, not 4 of them twice.
+    assert balanced_placement(1, 8, 4, 8, [0, 1]).slots[0][:16] == [0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7, 0, 2, 4, 6]
+    # 12 experts, 3 ranks of 5: the last copy left, of expert 2, is rank 2's already: it takes
+    # rank 0's expert 0 instead, and rank 0 the 2.
+    p = balanced_placement(1, 12, 3, 5, [0, 1, 2])
+    assert p.slots[0] == [2, 3, 6, 9, 1] + [1, 4, 7, 10, 0] + [2, 5, 8, 11, 0]
 
 
 def test_balanced_placement_on_later_ranks():
@@ -108,7 +117,8 @@ def test_balanced_placement_errors():
 
 
 def test_grow_keeps_serving_slots_and_fills_joiners_hottest_first():
-    current = balanced_placement(2, 4, 4, 3, [0, 1])
+    row = [0, 2, 0, 1, 3, 1, _, _, _, _, _, _]  # every expert on one rank
+    current = P(3, row, row)
     before = copy.deepcopy(current.slots)
     load = [[1, 5, 5, 0], [0, 0, 0, 9]]
     target = grow(current, [3, 2], 4, load)
@@ -123,19 +133,32 @@ def test_grow_keeps_serving_slots_and_fills_joiners_hottest_first():
     assert interim(current, target) == current  # nothing that serves is overwritten
 
 
-def test_grow_without_load_goes_by_expert_id():
+def test_grow_without_load_goes_by_holders_then_expert_id():
     current = balanced_placement(1, 3, 4, 2, [0, 1])
     assert current == P(2, [0, 2, 1, 0, _, _, _, _])
-    # One count runs over all joiners' slots, wrapping around the experts.
-    assert grow(current, [3, 2], 3) == P(2, [0, 2, 1, 0] + [0, 1] + [2, 0])
+    # Experts 1 and 2 have one holder, 0 two: they go first; joiner 3 then starts again at 0.
+    assert grow(current, [3, 2], 3) == P(2, [0, 2, 1, 0] + [1, 2] + [0, 1])
+
+
+def test_a_failover_replacement_gets_back_the_replicas_the_failed_rank_held():
+    """3 ranks of 6 slots hold 8 experts on at least two ranks each; rank 1 fails: the survivors
+    serve every expert without a load (`shrink` changes no slot), and its replacement's slots get
+    the experts left on one rank, so each is on two ranks again."""
+    current = balanced_placement(1, 8, 3, 6, [0, 1, 2])
+    holders = lambda p: [len({s // 6 for s, x in enumerate(p.slots[0]) if x == e}) for e in range(8)]  # noqa: E731
+    assert min(holders(current)) == 2
+    survivors = shrink(current, [1], 8)
+    assert changed_slots(current, survivors) == []
+    assert holders(survivors) == [2, 2, 1, 2, 1, 1, 2, 1]
+    target = grow(survivors, [1], 8)
+    assert target.experts_on(1, 0) == [2, 4, 5, 7, 0, 1] and min(holders(target)) == 2
 
 
 # ---- shrink -----------------------------------------------------------------------------------
 
 
 def test_shrink_keeps_one_slot_per_expert_and_refills_duplicates():
-    current = balanced_placement(1, 6, 4, 3, [0, 1, 2])
-    assert current == P(3, [0, 3, 0, 1, 4, 1, 2, 5, 2, _, _, _])
+    current = P(3, [0, 3, 0, 1, 4, 1, 2, 5, 2, _, _, _])
     target = shrink(current, [2], 6)
     # Rank 2's experts 2 and 5 take the duplicate slots of 0 and 1; rank 3 (inactive) stays empty.
     assert target == P(3, [0, 3, 2, 1, 4, 5, _, _, _, _, _, _])
@@ -145,8 +168,7 @@ def test_shrink_keeps_one_slot_per_expert_and_refills_duplicates():
 
 
 def test_shrink_never_uses_inactive_ranks_slots():
-    current = balanced_placement(1, 6, 4, 3, [1, 2, 3])
-    assert current == P(3, [_, _, _, 0, 3, 0, 1, 4, 1, 2, 5, 2])
+    current = P(3, [_, _, _, 0, 3, 0, 1, 4, 1, 2, 5, 2])
     # Rank 0's empty slots come first in slot order, but rank 0 is not serving.
     assert shrink(current, [3], 6) == P(3, [_, _, _, 0, 3, 2, 1, 4, 5, _, _, _])
 
@@ -167,8 +189,7 @@ def test_shrink_without_enough_slots_raises():
 
 
 def test_rebalance_follows_load_and_changes_few_slots():
-    current = balanced_placement(1, 4, 3, 3, [0, 1])
-    assert current == P(3, [0, 2, 0, 1, 3, 1, _, _, _])
+    current = P(3, [0, 2, 0, 1, 3, 1, _, _, _])
     target = rebalance(current, [0, 1], 4, [[10, 0, 0, 30]])
     # Expert 3 gets both extra replicas; the duplicates of 0 and 1 make room, nothing else moves.
     assert target == P(3, [0, 2, 3, 1, 3, 3, _, _, _])
@@ -258,6 +279,8 @@ def test_invariants_over_random_configurations():
         for layer in range(layers):
             counts = replicas(p, active, layer, E)
             assert max(counts) - min(counts) <= 1  # replicas spread evenly
+            for r in active:  # never two copies on one rank (S <= E): a failed rank leaves the others
+                assert len(set(p.experts_on(r, layer))) == S, f"case {case}: rank {r} of {p}"
         for step in range(8):
             what = f"case {case} step {step} (E={E}, S={S}, max_ranks={max_ranks}, active={active})"
             before = copy.deepcopy(p.slots)
@@ -273,9 +296,12 @@ def test_invariants_over_random_configurations():
                 for layer in range(layers):
                     for r in active:  # serving slots keep their experts
                         assert target.experts_on(r, layer) == p.experts_on(r, layer)
-                    hot = hot_order(E, load[layer])
-                    filled = [e for r in joiners for e in target.experts_on(r, layer)]
-                    assert filled == [hot[i % E] for i in range(len(filled))]
+                    held = [len({r for r in active if e in p.experts_on(r, layer)}) for e in range(E)]
+                    for r in joiners:  # one copy of an expert per joiner
+                        assert len(set(target.experts_on(r, layer))) == S
+                    # The first joiner takes the experts the fewest ranks hold.
+                    first = target.experts_on(joiners[0], layer)
+                    assert all(held[e] >= max(held[x] for x in first) for e in range(E) if e not in first)
             elif op == "shrink" and len(active) > 1:
                 leaving = sorted(rng.sample(active, rng.randint(1, len(active) - 1)))
                 remaining = [r for r in active if r not in leaving]

@@ -350,21 +350,21 @@ def run(kind: str, pull) -> tuple[Operation, Ranks]:
 
 
 def test_a_scale_up_masks_a_source_that_failed_mid_pull_out_and_repulls_its_reads():
-    """Joiner 3 reads the dense weights spread over ranks 0-2 and expert 1 from rank 2, which
-    dies mid-pull: the joiner is told to drop it, the scale-up masks rank 2 out itself (expert 2,
-    which only rank 2 held, reloaded into rank 1's duplicate slot; the joiner, still loading,
-    takes no part), re-pulls exactly what rank 2 was to send from ranks 0 and 1, and commits
-    ranks 0, 1 and 3."""
+    """Joiner 3 reads the dense weights spread over ranks 0-2 and expert 2 (held by one rank, so
+    the joiner's first) from rank 2, which dies mid-pull: the joiner is told to drop it, the
+    scale-up masks rank 2 out itself (expert 2, which only rank 2 held, reloaded into rank 1's
+    duplicate slot; the joiner, still loading, takes no part), re-pulls exactly what rank 2 was to
+    send from ranks 0 and 1, and commits ranks 0, 1 and 3."""
     op, ranks = run("up", dies_mid_pull)
     assert (op.record.phase, op.record.error, op.record.masked) == ("done", "", [2]), op.record
     assert ranks.fenced == [(2, 102)] and op.topology.active == [0, 1, 3]
     first, again = ranks.messages(m.PullWeights, 3)
     lost = [it.dst_name for it in first.items if it.src_rank == 2]
-    assert sorted(lost) == ["experts.0.1.down", "experts.0.1.gate", "experts.0.1.up", "norm"]
+    assert sorted(lost) == ["experts.0.0.down", "experts.0.0.gate", "experts.0.0.up", "norm"]
     assert [it.dst_name for it in again.items] == lost and {it.src_rank for it in again.items} <= {0, 1}
-    # Expert 1 from the replica left on rank 1 (slot 2, its local slot 0), both survivors serving reads.
+    # Expert 2 from the copy rank 1 loaded from the checkpoint (slot 3, its local slot 1).
     assert {it.src_name for it in again.items if it.src_name.startswith("experts.")} == {
-        expert_slot_name(0, 0, p) for p in ("gate", "up", "down")
+        expert_slot_name(0, 1, p) for p in ("gate", "up", "down")
     }
     assert set(again.sources) == {it.src_rank for it in again.items}
     assert op.record.pull_losses == [
@@ -378,6 +378,9 @@ def test_a_scale_up_masks_a_source_that_failed_mid_pull_out_and_repulls_its_read
     assert [x.placement.experts_on(1, 0) for x in ranks.messages(m.LoadExperts, 1)] == [[1, 2]]
     assert [c.active for c in ranks.messages(m.Configure, 0)] == [[0, 1], [0, 1, 3]]
     assert [c.active for c in ranks.messages(m.Configure, 3)] == [[0, 1, 3]]
+    # The joiner serves the experts it pulled (2 and 3, then on one rank each), not the ones grow
+    # would now give it (0 and 1: after the masking every expert is on one rank).
+    assert [c.placement.experts_on(3, 0) for c in ranks.messages(m.Configure, 3)] == [[2, 3]]
     assert op.record.failover_downtime_s is not None and op.record.failover_committed_at is not None
     assert list(op.record.phases) == ["starting", "loading", "masking", "warming", "connecting", "committing"]
 

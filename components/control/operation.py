@@ -438,6 +438,9 @@ class Operation:
             for r, t in tasks.items():
                 stats = t.result()[0].pull
                 self.record.pull_bytes += stats.bytes
+                for src, names in by_source(todo[r]).items():
+                    got = self.record.pulled_from.setdefault(r, {})
+                    got[src] = got.get(src, 0) + len(names)
                 if stats.lost:
                     lost.setdefault(r, []).extend(stats.lost)
         finally:
@@ -644,7 +647,11 @@ class Operation:
         if not self.undoing:  # a failover's downtime starts with this pause (a rollback's is its commit's)
             self.pause_t0 = time.monotonic()
         await self.each(pause, lambda r: Pause(gone=gone), self.cfg.commit_timeout_s)
-        reload = sorted({slot // target.slots_per_rank for _, slot in changed_slots(current, target)})
+        changed = changed_slots(current, target)
+        self.record.experts_from_disk += len(changed)
+        if changed:  # none where every expert has a replica on a survivor: those serve it at once
+            log.warning("[op %s] %d expert slots no survivor holds: loaded from the checkpoint", self.id, len(changed))
+        reload = sorted({slot // target.slots_per_rank for _, slot in changed})
         await self.each(reload, lambda r: LoadExperts(placement=target, since=current))
 
     async def masked_out(self, failed: list[int]) -> None:
@@ -739,8 +746,13 @@ class Operation:
         await self.start_joiners(fault)
         self.transition(Phase.LOADING, "dense weights spread over serving ranks, experts per the target map")
         await self.pull_experts(current, target, list(self.active), dense_to=self.joiners)
-        if self.failed:  # masked out meanwhile: the joiners' slots as planned, the others the survivors'
-            target = grow(self.topology.placement, self.joiners, self.num_experts, self.load)
+        if self.failed:  # masked out meanwhile: the joiners' slots as pulled, the others the survivors'
+            S, now = target.slots_per_rank, self.topology.placement.slots
+            rows = [
+                [t if s // S in self.joiners else x for s, (t, x) in enumerate(zip(a, b))]
+                for a, b in zip(target.slots, now)
+            ]
+            target = Placement(slots_per_rank=S, slots=rows)
         if not req.mode.warms_inside_pause:
             self.transition(Phase.WARMING, "joiners alone, remote peers masked")
             await self.call(self.joiners, lambda r: Warmup(placement=target))

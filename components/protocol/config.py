@@ -21,6 +21,10 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     dp_size: int = 2  # ranks at start
     max_ranks: int = 4  # the most ranks the deployment can grow to (sizes EP buffers)
     min_ranks: int = 1  # the fewest ranks it can shrink to (sizes the expert slots)
+    # Expert slots beyond one copy of every expert over min_ranks ranks: replicas, so that a failed
+    # rank's experts still serve on the survivors that hold a copy (nothing read from disk). The
+    # slots per rank are capped at the model's expert count.
+    redundant_experts: int = 0
     max_seqs: int = 16
     max_len: int = 0  # longest sequence; 0 = the model's context length, capped by memory
     max_batched_tokens: int = 256

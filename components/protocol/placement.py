@@ -41,7 +41,9 @@ def balanced_placement(
     """Spread experts over the active ranks' slots; fill the remaining active slots with replicas.
 
     Expert e goes to active rank e % n (so every rank gets a share), and spare slots cycle through
-    the experts again, which gives each expert at most ceil(slots/E) copies."""
+    the experts again, which gives each expert at most ceil(slots/E) copies; a rank takes the
+    next copy of an expert it does not hold yet, so that a rank that fails leaves a copy of its
+    experts on the others wherever the slots allow."""
     active = sorted(active)
     n = len(active)
     if n == 0:
@@ -54,10 +56,21 @@ def balanced_placement(
         )
     row = [-1] * (max_ranks * slots_per_rank)
     fill = [0] * n  # next free slot index on each active rank
+    held: list[set[int]] = [set() for _ in range(n)]
+    copies = [i % num_experts for i in range(capacity)]  # in the order they are handed out
     for i in range(capacity):
-        expert = i % num_experts
         r = i % n
-        row[active[r] * slots_per_rank + fill[r]] = expert
+        slot = active[r] * slots_per_rank + fill[r]
+        expert = copies.pop(next((j for j, e in enumerate(copies) if e not in held[r]), 0))
+        if expert in held[r]:  # the copies left are all here already: trade with a rank filled before
+            filled = ((o, active[o] * slots_per_rank + s) for o in range(n) if o != r for s in range(fill[o]))
+            trade = next(((o, s) for o, s in filled if row[s] not in held[r] and expert not in held[o]), None)
+            if trade:
+                o, other = trade
+                held[o].symmetric_difference_update({row[other], expert})
+                row[other], expert = expert, row[other]
+        row[slot] = expert
+        held[r].add(expert)
         fill[r] += 1
     return Placement(slots_per_rank=slots_per_rank, slots=[list(row) for _ in range(num_layers)])
 
@@ -72,17 +85,24 @@ def grow(
     current: Placement, new_ranks: Sequence[int], num_experts: int, load: Sequence[Sequence[int]] | None = None
 ) -> Placement:
     """Scale-up target: every slot that serves now keeps its expert (so retained ranks move no
-    weights and their graphs stay valid); the joiners' slots get replicas, hottest experts first."""
+    weights and their graphs stay valid); the joiners' slots get replicas, of the experts held by
+    the fewest ranks first (a failover's replacement gets back the copies the failed rank took),
+    hottest first among those, never two copies on one joiner while another expert lacks one."""
     S = current.slots_per_rank
+    new_ranks = sorted(new_ranks)
     rows = []
     for layer, row in enumerate(current.slots):
         row = list(row)
-        order = hot_order(num_experts, load[layer] if load else None)
-        i = 0
-        for r in sorted(new_ranks):
+        rank_of = hot_order(num_experts, load[layer] if load else None).index
+        holders = [set() for _ in range(num_experts)]
+        for slot, e in enumerate(row):
+            if e >= 0 and slot // S not in new_ranks:
+                holders[e].add(slot // S)
+        for r in new_ranks:
             for s in range(S):
-                row[r * S + s] = order[i % num_experts]
-                i += 1
+                e = min(range(num_experts), key=lambda x: (r in holders[x], len(holders[x]), rank_of(x)))
+                row[r * S + s] = e
+                holders[e].add(r)
         rows.append(row)
     return Placement(slots_per_rank=S, slots=rows)
 

@@ -96,6 +96,10 @@ class OpRecord(msgspec.Struct):
     committed_at: float | None = None  # wall-clock time (unix) of the last resume reply
     rebalance_downtime_s: float | None = None  # the short commits of the follow-up EPLB
     total_s: float | None = None
+    experts_from_disk: int = 0  # expert slots its masking loaded from the checkpoint: no survivor held them
+    # Puller -> source -> tensors asked for (what a lost source was to send also under the source
+    # it was re-pulled from; `pull_losses` says which); a rank's own slots copied count as it.
+    pulled_from: dict[int, dict[int, int]] = {}
     handed_over: int = 0
     pull_bytes: int = 0
     joined_from: dict[int, str] = {}  # joiner -> "parked" | "snapshot" (restored from its image) | "cold"

@@ -31,6 +31,8 @@ class Worker(Component):
             raise ValueError(
                 f"Worker.dp_size ({c.dp_size}) must be in min_ranks..max_ranks ({c.min_ranks}..{c.max_ranks})"
             )
+        if c.redundant_experts < 0:
+            raise ValueError(f"Worker.redundant_experts ({c.redundant_experts}) must be at least 0")
         if c.device not in ("cpu", "cuda"):
             raise ValueError(f"Worker.device must be 'cpu' or 'cuda', not {c.device!r}")
 
@@ -93,6 +95,7 @@ def rank_config(c: Worker.Config, rank: int):
         max_batched_tokens=c.max_batched_tokens,
         batch_invariant=c.batch_invariant,
         min_ranks=c.min_ranks,
+        redundant_experts=c.redundant_experts,
         vmm=c.vmm,
         ep_transport=c.ep_transport,
     )
