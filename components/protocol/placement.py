@@ -93,14 +93,16 @@ def grow(
     rows = []
     for layer, row in enumerate(current.slots):
         row = list(row)
-        rank_of = hot_order(num_experts, load[layer] if load else None).index
+        heat = [0] * num_experts  # each expert's place in hot_order (list.index would make this quadratic)
+        for i, e in enumerate(hot_order(num_experts, load[layer] if load else None)):
+            heat[e] = i
         holders = [set() for _ in range(num_experts)]
         for slot, e in enumerate(row):
             if e >= 0 and slot // S not in new_ranks:
                 holders[e].add(slot // S)
         for r in new_ranks:
             for s in range(S):
-                e = min(range(num_experts), key=lambda x: (r in holders[x], len(holders[x]), rank_of(x)))
+                e = min(range(num_experts), key=lambda x: (r in holders[x], len(holders[x]), heat[x]))
                 row[r * S + s] = e
                 holders[e].add(r)
         rows.append(row)
