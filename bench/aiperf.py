@@ -49,12 +49,12 @@ def add_args(p) -> None:
     p.add_argument("--aiperf", default="", help=f"the aiperf command (default ${ENV}, else .venv/aiperf)")
 
 
-def lengths(rng: random.Random, isl: int, osl: int) -> tuple[int, int]:
-    """A prompt and an output length, log-normal around `isl` and `osl` (sigma 0.5, clipped to a
-    quarter and four times the mean)."""
+def lengths(rng: random.Random, isl: int, osl: int, sigma: float = 0.5) -> tuple[int, int]:
+    """A prompt and an output length, log-normal around `isl` and `osl` (`sigma`, clipped to a
+    quarter and four times the mean; sigma 0: exactly isl and osl)."""
 
     def one(mean: int) -> int:
-        return max(1, min(4 * mean, max(mean // 4, round(rng.lognormvariate(math.log(mean), 0.5)))))
+        return max(1, min(4 * mean, max(mean // 4, round(rng.lognormvariate(math.log(mean), sigma)))))
 
     return one(isl), one(osl)
 
@@ -72,10 +72,10 @@ def payload(rng: random.Random, n: int, out: int, vocab: int) -> dict:
     }
 
 
-def rows(seed: int, count: int, isl: int, osl: int, vocab: int) -> list[dict]:
+def rows(seed: int, count: int, isl: int, osl: int, vocab: int, sigma: float = 0.5) -> list[dict]:
     """`count` requests without a schedule (for a concurrency or a rate), fixed by `seed`."""
     rng = random.Random(seed)
-    return [{"payload": payload(rng, *lengths(rng, isl, osl), vocab)} for _ in range(count)]
+    return [{"payload": payload(rng, *lengths(rng, isl, osl, sigma), vocab)} for _ in range(count)]
 
 
 def replay(

@@ -450,6 +450,7 @@ def run_row(fault: str, args, reference: list[str]) -> dict:
     srv = Server(
         ["--Worker.dp_size=3", "--Worker.max_ranks=4", "--Planner.enabled=false", *options, *args.graph_args],
         boot_timeout_s=600,
+        model=None,
     )
     try:
         with Traffic(srv, PROMPTS, MAX_TOKENS, clients=args.clients, error_pause_s=0.25) as traffic:

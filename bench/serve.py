@@ -138,6 +138,9 @@ def main() -> None:
     p.add_argument("--max-seqs", type=int, default=4, help="Worker.max_seqs (default 4)")
     p.add_argument("--isl", type=int, default=64, help="mean prompt tokens (default 64)")
     p.add_argument("--osl", type=int, default=32, help="mean output tokens (default 32)")
+    p.add_argument(
+        "--sigma", type=float, default=0.5, help="log-normal spread of lengths (default 0.5; 0: exactly --isl/--osl)"
+    )
     p.add_argument("--requests", type=int, default=32, help="requests at each point (default 32)")
     sweep = p.add_mutually_exclusive_group()
     sweep.add_argument("--concurrency", default="1,4", help="the concurrency sweep (default 1,4)")
@@ -193,7 +196,7 @@ def main() -> None:
         dec = run(f"decode only, concurrency {slots}", dec_rows, ["--concurrency", str(slots)])
         dec["slots"] = slots
         dec["step_tok_s"] = slots / (dec["itl_p50_ms"] / 1e3) if dec["itl_p50_ms"] else None
-        rows = aiperf.rows(args.seed, args.requests, args.isl, args.osl, vocab)
+        rows = aiperf.rows(args.seed, args.requests, args.isl, args.osl, vocab, args.sigma)
         points = [run(name, rows, load) for name, load in loads]
     finally:
         srv.stop()
@@ -201,7 +204,13 @@ def main() -> None:
         "command": " ".join([sys.executable, "-m", "bench.serve", *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
         "deployment": {"ranks": args.ranks, "max_seqs": args.max_seqs, "device": args.device, "dtype": dtype},
-        "trace": {"seed": args.seed, "requests": args.requests, "isl_mean": args.isl, "osl_mean": args.osl},
+        "trace": {
+            "seed": args.seed,
+            "requests": args.requests,
+            "isl_mean": args.isl,
+            "osl_mean": args.osl,
+            "sigma": args.sigma,
+        },
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "prefill_floor": floor,
         "decode_only": dec,

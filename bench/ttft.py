@@ -121,7 +121,7 @@ def main() -> None:
     p.add_argument("graph_args", nargs="*", help="extra `dynamo serve` options after --")
     args = p.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
-    srv = Server(args.graph_args)
+    srv = Server(args.graph_args, model=None)
     rows, bursts = [], []
     prompts: dict[int, list[int]] = {}  # the same prompts on both targets
     try:

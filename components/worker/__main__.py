@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 from components.worker.process import LOG_FORMAT, baked, serve
 
@@ -24,6 +25,10 @@ def main() -> None:
     if args.bake:
         baked(args.bake)
     else:
+        # The step thread takes the GIL back after every CUDA call that released it; at the
+        # default 5 ms switch interval the serving loop, busy streaming a step's tokens, can make
+        # it wait that long each time, several times a step of under 2 ms.
+        sys.setswitchinterval(2e-4)
         asyncio.run(serve(args.rank, args.join))
 
 

@@ -47,6 +47,7 @@ from components.protocol.messages import (
 )
 from components.worker.component import Faults, Worker, model_source, rank_config, started_for
 from components.worker.generate_request import to_request, usage
+from components.worker.outbox import Outbox
 from components.worker.presence import Presence
 from components.worker.rules import ANY_STATE, HOLDING_WEIGHTS, IN_COMMITS, RULES, StateError, allowed, handles, refusal
 
@@ -73,6 +74,7 @@ class RankServer:
         self.gen_ep = self.ctl_ep = self.gen_client = None
         self.presence: Presence | None = None  # in routing or not: the generate endpoint's listing
         self.streams: dict[str, asyncio.Queue] = {}  # request id -> its output queue
+        self.outbox: Outbox | None = None  # the step thread's outputs to them, on the serving loop
         self.exit = asyncio.Event()
 
     def load(self) -> None:
@@ -193,11 +195,13 @@ class RankServer:
         from components.engine.request import RequestError
 
         await self.routable.wait()
-        loop = asyncio.get_running_loop()
+        if self.outbox is None:
+            self.outbox = Outbox(asyncio.get_running_loop())
+        post = self.outbox.post
         out: asyncio.Queue = asyncio.Queue()
         req = to_request(raw, self.engine.max_len)
         try:
-            self.engine.submit(req, lambda o: loop.call_soon_threadsafe(out.put_nowait, o))
+            self.engine.submit(req, lambda o: post(out, o))
         except RequestError as e:
             # A request the engine cannot serve is the client's fault: Dynamo's frontend turns
             # InvalidArgument into a 400 with this message (a finish_reason "error: ..." is a 500).
@@ -206,9 +210,10 @@ class RankServer:
             raise InvalidArgument(str(e)) from None
         self.streams[req.request_id] = out
         produced: list[int] = []
+        held = None  # a handover taken from the queue behind tokens sent first
         try:
             while True:
-                o = await out.get()
+                o, held = held or await out.get(), None
                 if isinstance(o, Handover):
                     self.engine.cancel(req.request_id)
                     log.info(
@@ -221,13 +226,25 @@ class RankServer:
                     async for chunk in self.hand_over(raw, req, produced, o.instance_id):
                         yield chunk
                     return
-                produced += o.token_ids
-                chunk: dict[str, Any] = {"token_ids": o.token_ids}
-                if o.finish_reason:
-                    chunk["finish_reason"] = o.finish_reason
+                tokens, reason = list(o.token_ids), o.finish_reason
+                # Tokens that queued up while this stream waited go out as one chunk: a chunk costs
+                # the loop (and Dynamo's bridge) tens of microseconds whatever it holds, and with
+                # dozens of streams a step, a chunk per token would take the GIL from the step
+                # thread for longer than the step itself.
+                while not reason and not out.empty():
+                    nxt = out.get_nowait()
+                    if isinstance(nxt, Handover):
+                        held = nxt
+                        break
+                    tokens += nxt.token_ids
+                    reason = nxt.finish_reason
+                produced += tokens
+                chunk: dict[str, Any] = {"token_ids": tokens}
+                if reason:
+                    chunk["finish_reason"] = reason
                     chunk["completion_usage"] = usage(len(req.prompt) - req.replay, req.replay + len(produced))
                 yield chunk
-                if o.finish_reason:
+                if reason:
                     return
         finally:
             self.streams.pop(req.request_id, None)
