@@ -125,15 +125,17 @@ def check_latent_rotary_cache(device: str, dtype: torch.dtype, interleave: bool,
 
 def check_experts(device: str, dtype: torch.dtype) -> None:
     """Each row through its own slot's expert, rows of no slot (-1, S, beyond) zero; slot 1 has
-    more rows than a row block; the count gains the rows with a slot; a row's result is bitwise
-    the same alone. (On a GPU, test_engine runs these kernels through the MoE layer.)"""
+    more rows than a row block and slot 2 more than three (a prompt chunk's blocks); the count
+    gains the rows with a slot; a row's result is bitwise the same alone. (On a GPU, test_engine
+    runs these kernels through the MoE layer.)"""
     from components.engine.kernels.expert_gemm import BLOCK_M, swiglu_experts
 
     torch.manual_seed(0)
     S, H, I = 4, 64, 96
     wg, wu = (torch.randn(S, I, H, device=device).to(dtype) * 0.1 for _ in range(2))
     wd = torch.randn(S, H, I, device=device).to(dtype) * 0.1
-    local = torch.tensor([3, 0, -1, 3, 1, 2, 0, S, S + 5] + [1] * (BLOCK_M + 3), dtype=torch.int32, device=device)
+    local = [3, 0, -1, 3, 1, 2, 0, S, S + 5] + [1] * (BLOCK_M + 3) + [2, 0] * (3 * BLOCK_M + 1)
+    local = torch.tensor(local, dtype=torch.int32, device=device)
     x = torch.randn(len(local), H, device=device).to(dtype)
     count = torch.tensor([2], device=device)
     got = swiglu_experts(x, local, wg, wu, wd, count)
@@ -146,7 +148,7 @@ def check_experts(device: str, dtype: torch.dtype) -> None:
         h = x[i : i + 1].float()
         want = (F.silu(h @ wg[s].float().T) * (h @ wu[s].float().T)) @ wd[s].float().T
         torch.testing.assert_close(got[i : i + 1].float(), want, **TOL[dtype])
-    for i in (0, 4, len(local) - 1):
+    for i in (0, 4, len(local) - 2, len(local) - 1):
         alone = swiglu_experts(x[i : i + 1], local[i : i + 1], wg, wu, wd)
         assert torch.equal(alone[0], got[i]), f"row {i} differs alone and batched"
 
@@ -155,7 +157,7 @@ def check_group_rows(device: str) -> None:
     """group_rows: bitwise the torch form SparseMoE.experts runs on the CPU (slot validity, key,
     moe.group_by_slot) and its count of rows with a slot, for int32 and int64 slots, 1 to 64
     slots, a row or thousands (more than one block of the scan), none with a slot or all."""
-    from components.engine.kernels.expert_gemm import group_rows
+    from components.engine.kernels.expert_gemm import BLOCK_M, group_rows
     from components.engine.models.moe import group_by_slot
 
     g = torch.Generator().manual_seed(0)
@@ -168,10 +170,12 @@ def check_group_rows(device: str) -> None:
             local = torch.randint(0, S, (M,), generator=g)
         local = local.to(device)
         count = torch.tensor([5], device=device)
-        rows, ends = group_rows(local, S, count)
+        rows, ends, blocks = group_rows(local, S, count)
         real = (local >= 0) & (local < S)
         want_rows, want_ends = group_by_slot(torch.where(real, local.long(), S), S)
         assert torch.equal(rows, want_rows) and torch.equal(ends, want_ends), (M, S)
+        sizes = torch.diff(want_ends.long(), prepend=torch.zeros(1, dtype=torch.long, device=device))
+        assert torch.equal(blocks.long(), torch.cumsum((sizes + BLOCK_M - 1) // BLOCK_M, 0)), (M, S)
         assert count.item() == 5 + int(real.sum()), (M, S)
 
 

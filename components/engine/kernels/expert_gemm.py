@@ -3,9 +3,14 @@ Triton kernels over rows grouped by slot, which a third, small one groups.
 
 A decode step sends each expert a few rows, so the step is bound by reading expert weights, and
 torch._grouped_mm's CUTLASS kernel streams them at about two thirds of HBM bandwidth at these
-sizes (H200, Mixtral shapes). Here one program owns one slot and one tile of output columns and
-walks that slot's rows BLOCK_M at a time, reading its weight tile once per BLOCK_M rows: a slot
-no row goes to costs nothing, and a touched one is read at close to bandwidth. The first kernel
+sizes (H200, Mixtral shapes). Here one program owns one block of BLOCK_M rows of one slot's group
+and one tile of output columns: a slot no row goes to costs nothing, and a touched one is read at
+close to bandwidth. A prompt chunk sends each expert hundreds of rows, in blocks that are
+neighbours in launch order (the block varies fastest), so they run together and read the slot's
+weight tile once from HBM, then from L2: the chunk runs at tensor-core rate, not re-reading every
+expert's weights per BLOCK_M rows. The grid holds as many blocks as any grouping can have (one per
+BLOCK_M rows, plus one partial block per slot), so a graph captures one grid; blocks past the last
+group end at once. The first kernel
 gathers each group's rows and writes silu(x Wg^T) * (x Wu^T) in group order; the second applies
 Wd and scatters the results back to the rows' own places, leaving rows of no slot zero.
 
@@ -13,7 +18,7 @@ The grouping (`group_rows`) is SparseMoE's torch form on the CPU (the slot valid
 rows computed, the key, moe.group_by_slot's counting sort: some fifteen small kernels, each a
 launch and a gap in a decode graph) in one program: for each key in order, a scan over the rows
 places that key's rows behind the previous keys', so the order within a group is the rows' own,
-and the count is added without atomics.
+and the count is added without atomics. It also counts each group's blocks, for the block table.
 
 A row's result depends on that row alone (the reduction over K runs in fixed tiles, with no
 split across programs), so an expert's output does not change with the batch it came in.
@@ -37,24 +42,32 @@ def _expert_kernel(
     x_ptr,  # [M, K] rows: gathered through rows_ptr (GATED) or already in group order
     rows_ptr,  # [M] int32: the row at each group-order position
     ends_ptr,  # [S] int32: end of each slot's group in group order
+    blocks_ptr,  # [S] int32: end of each slot's blocks in block order
     w_ptr,  # [S, N, K] weights (Wg, or Wd)
     v_ptr,  # [S, N, K] weights multiplied in by the gate (Wu); unused unless GATED
     out_ptr,  # [M, N]: in group order (GATED), or scattered back to the rows' places
     N,
     K,
+    S,
     GATED: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    s = tl.program_id(0)
-    start = tl.load(ends_ptr + s - 1, mask=s > 0, other=0)
-    end = tl.load(ends_ptr + s)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    w_tile = s.to(tl.int64) * N * K + offs_n[None, :].to(tl.int64) * K
-    for m0 in range(start, end, BLOCK_M):
+    b = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    block_ends = tl.load(blocks_ptr + offs_s, mask=offs_s < S, other=2**31 - 1)
+    s = tl.sum((block_ends <= b).to(tl.int32), 0)  # the slot whose blocks hold block b
+    if s < S:
+        first = tl.load(blocks_ptr + s - 1, mask=s > 0, other=0)
+        start = tl.load(ends_ptr + s - 1, mask=s > 0, other=0)
+        end = tl.load(ends_ptr + s)
+        m0 = start + (b - first) * BLOCK_M
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        w_tile = s.to(tl.int64) * N * K + offs_n[None, :].to(tl.int64) * K
         pos = m0 + tl.arange(0, BLOCK_M)
         m_ok = pos < end
         row = tl.load(rows_ptr + pos, mask=m_ok, other=0).to(tl.int64)
@@ -85,15 +98,19 @@ def _group_kernel(
     local_ptr,  # [M] the slot of each row; outside 0..S-1: no slot
     rows_ptr,  # [M] int32 out: the row at each group-order position
     ends_ptr,  # [S] int32 out: end of each slot's group
+    blocks_ptr,  # [S] int32 out: end of each slot's blocks of BLOCK_M rows
     count_ptr,  # [1] int64, added to: rows with a slot (HAS_COUNT)
     M,
     S,
     HAS_COUNT: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK)
     start = 0
+    blocks = 0
     for s in range(0, S + 1):  # key S: the rows of no slot, behind every group
+        group_start = start
         for m0 in range(0, M, BLOCK):
             i = m0 + offs
             ok = i < M
@@ -104,24 +121,30 @@ def _group_kernel(
             tl.store(rows_ptr + start + within - 1, i, mask=hit)
             start += tl.sum(hit.to(tl.int32), 0)
         tl.store(ends_ptr + s, start, mask=s < S)
+        blocks += (start - group_start + BLOCK_M - 1) // BLOCK_M
+        tl.store(blocks_ptr + s, blocks, mask=s < S)
         if HAS_COUNT:
             if s == S - 1:
                 tl.store(count_ptr, tl.load(count_ptr) + start)
 
 
-def group_rows(local: torch.Tensor, slots: int, count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_rows(
+    local: torch.Tensor, slots: int, count: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe.group_by_slot of local's keys (a slot in 0..slots-1, anything else: no slot, key
-    `slots`): (rows [M] int32 in group order, ends [slots] int32), in one launch; `count` gains
-    the number of rows with a slot."""
+    `slots`): (rows [M] int32 in group order, ends [slots] int32, block ends [slots] int32: the
+    running count of each group's blocks of BLOCK_M rows), in one launch; `count` gains the number
+    of rows with a slot."""
     M = local.shape[0]
     rows = torch.empty(M, dtype=torch.int32, device=local.device)
     ends = torch.empty(slots, dtype=torch.int32, device=local.device)
+    blocks = torch.empty(slots, dtype=torch.int32, device=local.device)
     block = min(triton.next_power_of_2(max(M, 1)), 4096)
     _group_kernel[(1,)](
-        local, rows, ends, count if count is not None else rows, M, slots,
-        HAS_COUNT=count is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 8),
+        local, rows, ends, blocks, count if count is not None else rows, M, slots,
+        HAS_COUNT=count is not None, BLOCK=block, BLOCK_M=BLOCK_M, num_warps=min(max(block // 512, 1), 8),
     )  # fmt: skip
-    return rows, ends
+    return rows, ends, blocks
 
 
 def swiglu_experts(
@@ -137,16 +160,16 @@ def swiglu_experts(
     rows with a slot."""
     M, H = x.shape
     S, I, _ = w_gate.shape
-    rows, ends = group_rows(local, S, count)
+    rows, ends, blocks = group_rows(local, S, count)
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 stays fp32 (no TF32)
+    grid = triton.cdiv(M, BLOCK_M) + min(S, M)  # the most blocks any grouping of M rows has
+    tiles = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_S=triton.next_power_of_2(S))
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    _expert_kernel[(S, triton.cdiv(I, BLOCK_N))](
-        x.contiguous(), rows, ends, w_gate, w_up, h, I, H,
-        GATED=True, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-    )  # fmt: skip
+    _expert_kernel[(grid, triton.cdiv(I, BLOCK_N))](
+        x.contiguous(), rows, ends, blocks, w_gate, w_up, h, I, H, S, GATED=True, PRECISION=precision, **tiles
+    )
     y = torch.zeros(M, H, dtype=x.dtype, device=x.device)
-    _expert_kernel[(S, triton.cdiv(H, BLOCK_N))](
-        h, rows, ends, w_down, w_down, y, H, I,
-        GATED=False, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-    )  # fmt: skip
+    _expert_kernel[(grid, triton.cdiv(H, BLOCK_N))](
+        h, rows, ends, blocks, w_down, w_down, y, H, I, S, GATED=False, PRECISION=precision, **tiles
+    )
     return y
