@@ -62,10 +62,15 @@ def submit_staggered(eng, prompts, sampling, gap_s: float) -> dict[str, list[int
     return outs
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_mixed_steps_on_one_rank_match_each_request_alone(case, device):
+@pytest.mark.parametrize(
+    "device,piece",
+    [("cpu", 64), pytest.param("cuda", 64, marks=pytest.mark.gpu), pytest.param("cuda", 16, marks=pytest.mark.gpu)],
+)
+def test_mixed_steps_on_one_rank_match_each_request_alone(case, device, piece):
+    """On CUDA with the budget in one piece (one mixed graph), and in four (a mixed step runs in
+    the smallest of four graphs that holds its prompt rows, each prompt row in a GEMM of 16)."""
     path, prompts, sampling, alone = case
-    eng = single_rank(path, device, **LIMITS)
+    eng = single_rank(path, device, prompt_piece=piece, **LIMITS)
     eng.start()
     try:
         eng.pause().result(30)  # the first eight enter one step together
@@ -80,7 +85,7 @@ def test_mixed_steps_on_one_rank_match_each_request_alone(case, device):
     assert eng.sched.mixed_steps > 0  # prompt tokens did share steps with decodes and other prompts
     assert [i for i in range(len(prompts)) if outs[str(i)] != alone[i]] == []
     if device == "cuda":
-        assert eng.graphs.sizes == [8, 8 + 64]
+        assert eng.graphs.sizes == [8, *range(8 + piece, 8 + 64 + 1, piece)]
         greedy = [i for i, kw in enumerate(sampling) if not kw]
         assert [i for i in greedy if again[i] != alone[i]] == []
 

@@ -2,17 +2,19 @@
 one token a row (a row's context ending at itself makes the decode attention causal; see
 Scheduler.rows's per_token).
 
-Batch invariance (`split`): two graphs. A decode-only step runs the graph of max_seqs rows, as
-it always did (its speed is the decode floor's). A step with prompt tokens runs the mixed graph of
-max_seqs + max_batched_tokens rows: decodes in rows [0, max_seqs), padding behind them, prompt
-tokens from row max_seqs on, padding behind those. Every kernel but cuBLAS's computes a row from
-that row alone (the Triton experts, attention, norms, rotary, routing and combine); cuBLAS picks a
-kernel, and so a row's rounding, by the row count, so the mixed graph runs every dense projection
-as two GEMMs split at max_seqs (layers.split_rows): the decode rows meet the very kernels of the
-decode graph, and a prompt token those of the one prompt capacity, whatever the step holds. The
-cost: a mixed step pays the prompt part's padding rows in the dense projections and lm_head (they
-attend over one key and go to no expert), and a second launch per projection; a step's prompt
-tokens still run as GEMMs of max_batched_tokens rows at tensor-core speed. (The alternative, one
+Batch invariance (`split`, `piece`): a decode-only step runs the graph of max_seqs rows, as it
+always did (its speed is the decode floor's). A step with prompt tokens runs the smallest mixed
+graph that holds them, of max_seqs + k pieces of rows (RankConfig.prompt_piece, up to the budget):
+decodes in rows [0, max_seqs), padding behind them, prompt tokens from row max_seqs on, padding
+behind those. Every kernel but cuBLAS's computes a row from that row alone (the Triton experts,
+attention, norms, rotary, routing and combine); cuBLAS picks a kernel, and so a row's rounding, by
+the row count, so a mixed graph runs every dense projection as a GEMM of the max_seqs decode rows
+and one GEMM per piece behind them (layers.split_rows): the decode rows meet the very kernels of
+the decode graph, and a prompt token those of one piece, whatever the step holds and whichever
+mixed graph it runs in. The cost: a mixed step pays its last piece's padding rows in the dense
+projections and lm_head (they attend over one key and go to no expert), and a launch per piece
+per projection; prompt tokens still run as GEMMs of a piece's rows at tensor-core speed, and a
+step with a few prompt tokens beside the decodes costs one piece, not the budget. (The alternative, one
 Triton GEMM with a fixed tiling for every row count, as expert_gemm is, would put the decode step's
 dense projections on kernels slower than cuBLAS's at 32 rows.) Prompt rows draw one at a time, as
 rows of one (their draw, too, does not depend on the step); decode rows in the sampling graph of
@@ -47,12 +49,13 @@ log = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv: KVCache, batch_sizes: list[int], scratch_slot: int, split: int = 0):
+    def __init__(self, model, kv: KVCache, batch_sizes: list[int], scratch_slot: int, split: int = 0, piece: int = 0):
         """`split` (batch-invariant): the decode rows of a mixed step, max_seqs; each graph larger
-        than it is a mixed graph, its dense projections split there."""
+        than it is a mixed graph, its dense projections split there and behind it into calls of
+        `piece` prompt rows each."""
         self.model, self.kv = model, kv
         self.sizes = sorted(batch_sizes)
-        self.split = split
+        self.split, self.piece = split, piece
         if split:
             for m in model.modules():
                 if type(m) is nn.Linear:  # the same parameters, computed in two parts under rows_split_at
@@ -185,20 +188,23 @@ class DecodeGraphs:
         ep.set_masked_warmup(True)
         stream = self._warmup_stream
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), rows_split_at(self.split if b > self.split else 0):
+        with torch.cuda.stream(stream), self._split(b):
             for seg in segs:  # warm up kernels (and their autotuning) outside the capture
                 seg()
         torch.cuda.current_stream().wait_stream(stream)
         graphs = []
         for seg in segs:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool), rows_split_at(self.split if b > self.split else 0):
+            with torch.cuda.graph(g, pool=self.pool), self._split(b):
                 seg()
             self.pool = g.pool()
             graphs.append(g)
         ep.set_masked_warmup(False)
         self.graphs[b] = graphs
         self.captures += 1
+
+    def _split(self, b: int):
+        return rows_split_at(self.split, self.piece) if b > self.split else rows_split_at(0)
 
     def recapture(self) -> None:
         """Capture every size again (what a design without graph reuse pays on each scale)."""
@@ -222,7 +228,12 @@ class DecodeGraphs:
         the graph (`row` maps the step's rows there). `drawn`: the draws of the step before,
         where rows with a `src` read their ids."""
         real = len(rows.ids)
-        b = next(s for s in self.sizes if s >= real) if decodes is None else self.sizes[-1]
+        if decodes is None:
+            b = next(s for s in self.sizes if s >= real)
+        elif self.piece:  # the smallest mixed graph that holds the prompt rows
+            b = next(s for s in self.sizes if s > self.split and s - self.split >= real - decodes)
+        else:
+            b = self.sizes[-1]
         turn = self.replays % 2
         self._staged[turn].synchronize()  # long done: the caller waited for the step that read it
         host = self.staging[turn].numpy()

@@ -54,6 +54,9 @@ class RankConfig(msgspec.Struct, frozen=True):
     max_seqs: int = 16
     max_len: int = 0  # 0 = the model's context length, capped by memory (context_length)
     max_batched_tokens: int = 256
+    # Rows of one prompt GEMM in a mixed step (cuda_graphs.py): large enough for tensor-core rate
+    # in the dense projections, small enough that a step with a few prompt tokens pads little.
+    prompt_piece: int = 256
     min_ranks: int = 1  # fewest active ranks that must hold every expert: sizes the expert slots
     redundant_experts: int = 0
     # Outputs that do not change with the load (Scheduler's batch-invariant policy; graphs as
@@ -106,24 +109,40 @@ def context_length(requested: int, mc, max_seqs: int, dtype: torch.dtype, device
     return length
 
 
+def batched_tokens(given: int, device: str) -> int:
+    """Worker.max_batched_tokens as a rank runs it: 0 takes the device's default, 2048 on CUDA (a
+    H200 prefills at tensor-core rate from about that many tokens a step), 256 on the CPU (where a
+    step's time, and so every decode's, grows with its tokens)."""
+    return given or (2048 if device.startswith("cuda") else 256)
+
+
+def prompt_piece(cfg: RankConfig) -> int:
+    return min(cfg.prompt_piece, cfg.max_batched_tokens)
+
+
 def decode_graph_sizes(cfg: RankConfig) -> list[int]:
     """The row counts a CUDA rank captures graphs for. Batch-invariant: max_seqs for every
     decode-only step, so a decode is the same graph under any load (padding rows are dispatched to
-    no expert and attend over one key block), and max_seqs + max_batched_tokens for every step
-    with prompt tokens (cuda_graphs.py: decodes, then prompt tokens one a row). Otherwise powers of
-    two up to max_seqs, and max_seqs itself, so no decode batch falls back to eager kernels."""
+    no expert and attend over one key block), and for steps with prompt tokens max_seqs plus one,
+    two, ... pieces of prompt rows up to the budget (cuda_graphs.py: decodes, then prompt tokens
+    one a row, the step in the smallest that holds them). Otherwise powers of two up to max_seqs,
+    and max_seqs itself, so no decode batch falls back to eager kernels."""
     top, budget = cfg.max_seqs, cfg.max_batched_tokens
     if cfg.cuda_graph_sizes is not None:
         return sorted(b for b in cfg.cuda_graph_sizes if b <= step_rows(cfg))
     if cfg.batch_invariant:
-        return [top, top + budget]
+        piece = prompt_piece(cfg)
+        return [top, *(top + k * piece for k in range(1, -(-budget // piece) + 1))]
     return sorted({*(1 << i for i in range(top.bit_length()) if 1 << i < top), top})
 
 
 def step_rows(cfg: RankConfig) -> int:
-    """The most tokens one step computes: the budget, and under batch invariance every decode
-    beside it (Scheduler)."""
-    return cfg.max_batched_tokens + (cfg.max_seqs if cfg.batch_invariant else 0)
+    """The most rows one step computes: the budget, and under batch invariance every decode
+    beside it (Scheduler), its prompt rows a whole number of pieces on CUDA."""
+    if not cfg.batch_invariant:
+        return cfg.max_batched_tokens
+    piece = prompt_piece(cfg)
+    return cfg.max_seqs + -(-cfg.max_batched_tokens // piece) * piece
 
 
 def _free_memory(device: torch.device) -> int:
@@ -232,7 +251,11 @@ class EngineRank:
             from components.engine.cuda_graphs import DecodeGraphs
 
             split = cfg.max_seqs if cfg.batch_invariant and sizes[-1] > cfg.max_seqs else 0
-            self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs, split=split)
+            # Prompt rows in pieces where every mixed graph is a whole number of them (sizes of
+            # one's own choosing may not be: then the largest takes every mixed step, as one piece).
+            piece = prompt_piece(cfg)
+            piece = piece if split and all((b - split) % piece == 0 for b in sizes if b > split) else 0
+            self.graphs = DecodeGraphs(self.model, self.kv, sizes, scratch_slot=cfg.max_seqs, split=split, piece=piece)
         if self.device.type == "cuda":
             # A weight pull's kernels, loaded now rather than in a joiner's first pull (and so
             # held by a snapshot's image).

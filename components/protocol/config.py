@@ -27,7 +27,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     redundant_experts: int = 0
     max_seqs: int = 16
     max_len: int = 0  # longest sequence; 0 = the model's context length, capped by memory
-    max_batched_tokens: int = 256
+    # Prompt tokens a step computes beside its decodes; 0 = the device's default (2048 on CUDA,
+    # 256 on the CPU: engine.rank.batched_tokens).
+    max_batched_tokens: int = 0
     # Greedy outputs (and seeded samples) that do not change with the load, bit for bit: a step
     # is either all decodes, as one CUDA graph of max_seqs rows, or one chunk of one prompt (see
     # components/engine/scheduler.py). False: vLLM's mixed steps and a graph per batch size,

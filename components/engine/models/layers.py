@@ -25,25 +25,29 @@ _split = threading.local()
 
 
 @contextmanager
-def rows_split_at(n: int):
-    """Inside: `split_rows` computes rows [:n] and [n:] of a batch apart (a mixed graph's capture,
-    cuda_graphs.DecodeGraphs): each part at its own fixed row count."""
-    _split.n = n
+def rows_split_at(n: int, piece: int = 0):
+    """Inside: `split_rows` computes rows [:n] of a batch apart from the rest, and the rest in
+    calls of `piece` rows each (all of it in one call without a piece): a mixed graph's capture,
+    cuda_graphs.DecodeGraphs."""
+    _split.n, _split.piece = n, piece
     try:
         yield
     finally:
-        _split.n = 0
+        _split.n = _split.piece = 0
 
 
 def split_rows(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for an fn that maps rows to rows (a projection): under `rows_split_at(n)`, rows [:n]
-    and [n:] in calls of their own. cuBLAS picks its kernel, and so a row's rounding, by the row
-    count: the decodes of a mixed step then meet the kernels of a decode-only step of max_seqs
-    rows, and the prompt rows those of the fixed prompt capacity, whatever the step holds."""
-    n = getattr(_split, "n", 0)
+    """fn(x) for an fn that maps rows to rows (a projection): under `rows_split_at(n, piece)`,
+    rows [:n] in a call of their own and the rest in calls of `piece` rows. cuBLAS picks its
+    kernel, and so a row's rounding, by the row count: the decodes of a mixed step then meet the
+    kernels of a decode-only step of max_seqs rows, and a prompt token those of one piece,
+    whatever the step holds and whichever mixed graph (a whole number of pieces) it runs in."""
+    n, piece = getattr(_split, "n", 0), getattr(_split, "piece", 0)
     if not n or x.shape[0] <= n:
         return fn(x)
-    return torch.cat((fn(x[:n]), fn(x[n:])))
+    rest = x[n:]
+    parts = rest.split(piece) if piece else (rest,)
+    return torch.cat((fn(x[:n]), *(fn(r) for r in parts)))
 
 
 class SplitLinear(nn.Linear):
