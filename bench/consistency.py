@@ -3,8 +3,9 @@
 (log-uniform from 1 to `--max-prompt` tokens), half greedy and half sampled with a seed of their
 own, `--max-tokens` out each, while the deployment runs at each of `--sizes` for `--phase-s`
 seconds and scales from one size to the next under the same traffic. Every completion is compared
-with the same request run alone on the single-rank in-process engine, on the graph's model with
-its dtype and limits (read from the options after `--` as `dynamo serve` resolves them).
+with the same request run alone on the in-process engine configured as the graph's rank 0 (model,
+dtype, limits, MoE exchange: the worker's own rank_config of the options after `--`, resolved as
+`dynamo serve` resolves them).
 
 Per phase (each size, and each scale between two: the requests that overlap the operation, from
 the /scale request to its reply): requests completed and failed, greedy and seeded completions
@@ -44,8 +45,7 @@ from harness.server import Server, Traffic, engine_reference, failure_reasons, s
 # gets these Python floats, the served request the frontend's float32 copy, the same float32 both.
 SAMPLED = {"temperature": 0.8, "top_p": 0.9}
 ERROR_PAUSE_S = 0.25  # a client's pause after a failed request: an outage costs countable failures
-# What the JSON keeps of the Worker's configuration and of each scale's record.
-WORKER_FIELDS = ("device", "dtype", "max_ranks", "max_seqs", "max_len", "max_batched_tokens", "batch_invariant")
+# What the JSON keeps of each scale's record.
 OP_FIELDS = (
     "id",
     "kind",
@@ -149,15 +149,16 @@ def main() -> None:
     # matters; its batch limits must not, nor its MoE exchange, which follows max_ranks and the
     # GPUs: a difference is then the load's or the scale's, not the configuration's).
     rank0 = msgspec.structs.asdict(rank_config(worker, 0))
+    config = dict(rank0)
     t = time.time()
     reference = engine_reference(
         prompts,
         args.max_tokens,
-        max_len=rank0.pop("max_len"),
-        device=rank0.pop("device"),
+        max_len=config.pop("max_len"),
+        device=config.pop("device"),
         model_dir=model_dir,
         sampling=sampling,
-        **rank0,
+        **config,
     )
     reference_s = time.time() - t
     print(f"consistency: {len(prompts)} requests alone in {reference_s:.1f} s", file=sys.stderr, flush=True)
@@ -195,7 +196,7 @@ def main() -> None:
     result = {
         "command": " ".join(["python -m bench.consistency", *sys.argv[1:]]),
         "non_default_options": options,
-        "worker": {"model": str(model_dir), **{k: getattr(worker, k) for k in WORKER_FIELDS}},
+        "rank0": {"model": str(model_dir), **rank0},  # as the worker configures it, and the reference
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "requests": {
             "clients": args.clients,

@@ -86,5 +86,10 @@ def test_a_short_run_across_1_2_1_changes_nothing(tmp_path):
     assert all(op["downtime_s"] > 0 for op in ops)
     assert [ph["active_after"] for ph in r["phases"] if "operation" in ph] == [[0, 1], [0]]
     assert r["non_default_options"] == ["--Worker.dp_size=1", "--Planner.enabled=false"]
-    assert r["worker"]["device"] == "cpu" and r["requests"]["prompts"] == 8 and r["requests"]["greedy"] == 4
+    assert (
+        r["rank0"]["device"] == "cpu"
+        and r["rank0"]["max_batched_tokens"] == 256
+        and r["requests"]["prompts"] == 8
+        and r["requests"]["greedy"] == 4
+    )
     assert "| total |" in run.stdout
