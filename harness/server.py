@@ -259,14 +259,16 @@ def engine_reference(
     device: str = "cpu",
     model_dir: Path | None = None,
     sampling: list[dict] | None = None,
+    **config,
 ) -> list[str]:
     """Greedy output of the single-rank in-process engine on `model_dir` (the built-in model if
     None), as text. `sampling`: each prompt's sampling options (GenerateRequest's temperature,
-    top_p, seed; {} greedy), each prompt then run alone, as the same request sent by itself."""
+    top_p, seed; {} greedy), each prompt then run alone, as the same request sent by itself.
+    `config`: further RankConfig fields (dtype, max_seqs, ...) of the ranks it stands for."""
     from components.engine.models.builtin import builtin_model_dir
     from harness.reference import generate, single_rank
 
-    eng = single_rank(model_dir or builtin_model_dir(), device=device, max_len=max_len)
+    eng = single_rank(model_dir or builtin_model_dir(), device=device, max_len=max_len, **config)
     eng.start()
     try:
         if sampling is None:
@@ -275,6 +277,14 @@ def engine_reference(
             tokens = [generate(eng, [p], max_tokens, ignore_eos=True, **s)[0][0] for p, s in zip(prompts, sampling)]
     finally:
         eng.stop()
+    if device.startswith("cuda"):  # a graph started next sizes its KV cache by the memory free
+        import gc
+
+        import torch
+
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
     return [tokenizer().decode(t, skip_special_tokens=True) for t in tokens]
 
 
