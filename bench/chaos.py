@@ -21,11 +21,23 @@ The matrix (bench.faults measures each alone, on a fresh graph; here they follow
                                 new one adopts); 35 s after its start at the earliest (one that
                                 keeps dying sooner stops the graph, by design)
   planner killed                SIGKILL of the planner (non-critical, not restarted: once)
+  corrupt snapshot              one byte flipped of a random file the snapshot's manifest
+                                checksums, then a scale-up by one whose joiner is a new process
+                                (its fault field injects nothing, stall_s=0: with one the router
+                                starts a process rather than restore a parked rank): the joiner
+                                refuses the snapshot (the reason in the row), cold-starts, the
+                                scale-up ends done; the byte flipped back (checksums verified)
+                                for the faults after it
 
 The graph runs with the defaults a user gets but for --Worker.dp_size (the start size),
---Router.allow_fault_injection=true (the stalls above) and a planner that runs but never acts
+--Router.allow_fault_injection=true (the stalls above), a planner that runs but never acts
 (--Planner.up_intervals and down_intervals out of reach: the soak chooses the sizes) on a free
-port. The deployment has no snapshot store by default, so a corrupt snapshot is not in the matrix.
+port, and with --snapshots (the default) --Worker.snapshot_root: a store holding one criu-tier
+snapshot baked before the soak for this deployment (7-11 s on a 2-core CPU, 160 MiB), which new
+joiners are restored from. Where CRIU cannot run (not root, or no `criu check`) the soak runs
+without it and without the corrupt snapshot, and says why. The router must choose the baked
+snapshot as it starts, or the soak stops with the router's reason (a Worker option after `--`
+that the bake does not record, such as --Worker.max_len or --Worker.model: pass --no-snapshots).
 
 Per fault: when (s into the soak), detected (the router's verdict or the supervisor's, s after
 the fault), serving again (the end of the longest pause of every stream's tokens together after the
@@ -33,7 +45,8 @@ fault, and that pause; 0 when it is under --pause-s, 0.5 s: serving never stoppe
 (every new operation ended and the deployment whole at the size it should be at: every active rank
 ACTIVE and routable, the dead gone), requests sent / lost and completions whose tokens differ from
 the same request run alone on the single-rank reference engine (from the fault to the next one),
-and the phase the next /scale ended in. Prints a table,
+and the phase the next /scale ended in; at the end, how every joiner of the soak joined (restored
+from the snapshot, parked, cold). Prints a table,
 writes JSON (`--out`) after every fault, exits 1 if a request was lost, a token wrong, a fault not
 recovered from, a scale not done, or the deployment not at its target at the end.
 
@@ -51,8 +64,10 @@ import os
 import platform
 import random
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +86,7 @@ from bench.faults import (
     router_pids,
 )
 from harness.server import Server, Traffic, engine_reference, failure_reasons, free_ports, freeze, scale
+from harness.tamper import flip_byte
 
 # Each prompt twice: greedy, and sampled with its own seed (values exact in float32, as the
 # frontend passes them on, so the reference samples with the same ones).
@@ -79,6 +95,9 @@ REQUESTS = PROMPTS + PROMPTS
 MAX_TOKENS = 24
 JOINER_STALL_S = 3.0
 ROUTER_QUIET_S = 35.0  # a router fault waits this long after the router's start (QUICK_DEATH_S 30)
+# A fault field that injects nothing (no stall_on to stall): given one, the router starts a new
+# process for the joiner instead of restoring a parked rank, which would not look at the snapshot.
+NEW_JOINER = "stall_s=0"
 
 
 @dataclasses.dataclass
@@ -98,13 +117,17 @@ class Injected:
 class Soak:
     """One graph's soak: the size it should be at, its faults, and how each is measured."""
 
-    def __init__(self, srv: Server, args, rng: random.Random):
+    def __init__(self, srv: Server, args, rng: random.Random, snapshot: Path | None = None):
         self.srv, self.args, self.rng = srv, args, rng
+        self.snapshot = snapshot  # the snapshot new joiners are restored from, if any
         self.target = args.start_size
         self.planner = int(re.findall(r"started Planner \(pid (\d+)", srv.output)[-1])
         self.planner_alive = True
         self.router_started = self.t0 = time.time()
         self.stamps: list[float] = []  # every streamed chunk's arrival, all streams together
+        # Operation id -> how its joiners joined, gathered as the soak goes (/operations keeps
+        # the last 20 only).
+        self.joined: dict[str, dict[str, str]] = {}
 
     def active(self) -> list[int]:
         return sorted(self.srv.topology()["active"])
@@ -221,6 +244,28 @@ class Soak:
             t, self.target, {"pid": self.planner, "note": "non-critical, not restarted"}, detected_s=time.time() - t
         )
 
+    def corrupt_snapshot(self) -> Injected:
+        from snapshot.manifest import load_manifest, verify
+
+        snap, size = self.snapshot, self.target
+        member = self.rng.choice(sorted(n for n in load_manifest(snap).files if (snap / n).stat().st_size))
+        offset = self.rng.randrange((snap / member).stat().st_size)
+        flip_byte(snap / member, offset)
+        t = time.time()
+        try:
+            rec = scale(self.srv, size + 1, fault=NEW_JOINER)
+        finally:
+            flip_byte(snap / member, offset)  # the same bit inverted again: the pristine file
+        verify(snap)  # SnapshotCorrupt (the row's error) if it is not
+        joiner = str(rec["joiners"][0])
+        how, why = rec["joined_from"].get(joiner), rec["snapshot_refused"].get(joiner, "")
+        params = {"member": member, "offset": offset, "joiner": int(joiner), "joined_from": how, "refused": why}
+        if how != "cold" or f"{member}: checksum mismatch" not in why:
+            raise AssertionError(f"the joiner did not refuse the damaged snapshot: {params}")
+        # Detected: the router's refusal, logged before the joiner's process starts.
+        detect = rf"\[op {re.escape(rec['id'])}\] snapshot .*: {re.escape(member)}: checksum mismatch"
+        return Injected(t, size + 1, params, detect=detect)
+
     # Measuring.
 
     def whole(self, inj: Injected, before: set[str]) -> bool:
@@ -279,6 +324,7 @@ class Soak:
         end = inj.t + (recovered if recovered is not None else self.args.timeout_s)
         again, gap = self.pause(inj.t, end)
         ops = new_ops(self.srv, before)
+        self.joined |= {op["id"]: op["joined_from"] for op in ops}
         row |= {
             "t_s": round(inj.t - self.t0, 2),  # the fault itself (a router fault may wait for its turn)
             "params": inj.params,
@@ -309,6 +355,7 @@ class Soak:
             self.target = to
         inj = Injected(time.time(), self.target, {})
         row["next_scale_whole"] = self.recover(inj, before) is not None
+        self.joined |= {op["id"]: op["joined_from"] for op in new_ops(self.srv, before)}
 
 
 def failed(rank: int) -> str:
@@ -334,7 +381,10 @@ MATRIX: dict[str, tuple[Callable[[Soak], Injected], Callable[[Soak], bool]]] = {
     "router killed": (Soak.router_killed, lambda s: True),
     "router stalled": (Soak.router_stalled, lambda s: True),
     "planner killed": (Soak.planner_killed, lambda s: s.planner_alive),
+    "corrupt snapshot": (Soak.corrupt_snapshot, lambda s: s.target < s.args.max_size),
 }
+# Those that need a snapshot store (--snapshots, CRIU).
+NEEDS_SNAPSHOT = {"corrupt snapshot"}
 
 
 def pick(soak: Soak) -> str:
@@ -342,18 +392,62 @@ def pick(soak: Soak) -> str:
     return soak.rng.choice([k for k in soak.args.faults if MATRIX[k][1](soak)])
 
 
-def graph_options(args) -> list[str]:
+def max_ranks(args) -> int:
+    return max(4, args.max_size)
+
+
+def fault_kinds(named: list[str], snapshots: bool) -> list[str]:
+    """The kinds to draw from: those named, or all; without a snapshot none that needs one
+    (ValueError if named)."""
+    if not snapshots and (wanted := NEEDS_SNAPSHOT & set(named)):
+        raise ValueError(f"{', '.join(sorted(wanted))} needs a snapshot")
+    return named or [k for k in MATRIX if snapshots or k not in NEEDS_SNAPSHOT]
+
+
+def graph_options(args, snapshot_root: Path | None) -> list[str]:
     """What differs from `dynamo serve graphs/elastic:Frontend`'s defaults (and the free port)."""
     (planner_port,) = free_ports(1)
     return [
         f"--Worker.dp_size={args.start_size}",
-        f"--Worker.max_ranks={max(4, args.max_size)}",
+        f"--Worker.max_ranks={max_ranks(args)}",
         "--Router.allow_fault_injection=true",
         "--Planner.up_intervals=1000000000",
         "--Planner.down_intervals=1000000000",
         f"--Planner.port={planner_port}",
+        *([f"--Worker.snapshot_root={snapshot_root}"] if snapshot_root else []),
         *args.graph_args,
     ]
+
+
+def bake_snapshot(args, device: str, root: Path) -> tuple[Path, dict]:
+    """One criu-tier snapshot of this deployment's worker in the store `root` (as `snapshot-bake
+    bake --tier criu --max-ranks N` bakes it); returns it and what the bake took."""
+    from snapshot.bake import bake
+
+    t0 = time.perf_counter()
+    snap, m = bake(root / "snap", tier="criu", device=device, max_ranks=max_ranks(args), progress=False)
+    return snap, {"snapshot_id": m.snapshot_id, "bake_s": round(time.perf_counter() - t0, 1), "files": len(m.files)}
+
+
+def wait_chosen(srv: Server, timeout_s: float) -> None:
+    """Until the router has chosen the baked snapshot to restore joiners from, as it starts;
+    SystemExit with its reason if it will not."""
+    deadline = time.monotonic() + timeout_s
+    while (snap := srv.topology()["snapshot"])["state"] == "choosing":
+        if time.monotonic() > deadline:
+            raise SystemExit(f"chaos: the router did not choose a snapshot within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    if snap["state"] != "chosen":
+        raise SystemExit(f"chaos: the router will not restore joiners from the baked snapshot: {snap['why']}")
+
+
+def joined_from(joined: dict[str, dict[str, str]]) -> dict[str, int]:
+    """How the joiners of these operations joined: snapshot / parked / cold, counted."""
+    counts: dict[str, int] = {}
+    for op in joined.values():
+        for how in op.values():
+            counts[how] = counts.get(how, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def settle_windows(rows: list[dict], traffic: Traffic, reference: list[str]) -> None:
@@ -387,7 +481,13 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=600.0, help="seconds of faults (default %(default)s)")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between faults, at least (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="draws faults, victims and sizes (default %(default)s)")
-    p.add_argument("--faults", default=",".join(MATRIX), help="comma-separated kinds to draw from (default: all)")
+    p.add_argument("--faults", default="", help="comma-separated kinds to draw from (default: all)")
+    p.add_argument(
+        "--snapshots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bake a snapshot to restore joiners from, and draw the corrupt snapshot (default: on where CRIU runs)",
+    )
     p.add_argument("--start-size", type=int, default=3, help="Worker.dp_size (default %(default)s)")
     p.add_argument("--min-size", type=int, default=2, help="smallest size a scale asks for (default %(default)s)")
     p.add_argument("--max-size", type=int, default=4, help="largest size a scale asks for (default %(default)s)")
@@ -399,21 +499,46 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench/results/chaos_cpu.json"), help="JSON output path")
     p.add_argument("graph_args", nargs="*", help="extra `dynamo serve` options after --")
     args = p.parse_args()
-    args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
-    if unknown := [f for f in args.faults if f not in MATRIX]:
+    named = [f.strip() for f in args.faults.split(",") if f.strip()]
+    if unknown := [f for f in named if f not in MATRIX]:
         p.error(f"unknown fault(s) {unknown}; faults: {', '.join(MATRIX)}")
     if not 2 <= args.min_size <= args.start_size <= args.max_size:
         p.error("need 2 <= --min-size <= --start-size <= --max-size (one rank alone has no survivor to fail over to)")
+    why_not = "--no-snapshots"
+    if args.snapshots:
+        from snapshot.criu import criu_status
+
+        usable, status = criu_status()
+        args.snapshots, why_not = usable, f"CRIU cannot run here: {status}"
+    try:
+        args.faults = fault_kinds(named, args.snapshots)
+    except ValueError as e:
+        p.error(f"{e} ({why_not})")
+    if not args.snapshots:
+        print(f"chaos: no snapshot, joiners start cold and no corrupt snapshot ({why_not})", file=sys.stderr)
     device = "cuda" if "--Worker.device=cuda" in args.graph_args else "cpu"
     reference = engine_reference(REQUESTS, MAX_TOKENS, device=device, sampling=SAMPLING)
     rng = random.Random(args.seed)
-    options = graph_options(args)
-    srv = Server(options, boot_timeout_s=600, model=None)
+    store = Path(tempfile.mkdtemp(prefix="chaos-snapshots-")) if args.snapshots else None
+    snapshot, baked = bake_snapshot(args, device, store) if store else (None, {"none": why_not})
+    options = graph_options(args, store)
+    try:
+        srv = Server(options, boot_timeout_s=600, model=None)
+    except BaseException:
+        if store:
+            shutil.rmtree(store)
+        raise
     print(f"chaos: the graph's log is {srv.log_path}", file=sys.stderr, flush=True)
     rows: list[dict] = []
     result: dict = {
         "command": " ".join(["python -m bench.chaos", *sys.argv[1:]]),
-        "non_default_options": [o for o in options if not o.startswith("--Planner.port")],
+        # The snapshot store is a temporary directory: named, not where it was.
+        "non_default_options": [
+            "--Worker.snapshot_root=<the baked store>" if o.startswith("--Worker.snapshot_root") else o
+            for o in options
+            if not o.startswith("--Planner.port")
+        ],
+        "snapshot": baked,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "rows": rows,
     }
@@ -423,7 +548,9 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
     try:
-        soak = Soak(srv, args, rng)
+        if store:
+            wait_chosen(srv, args.timeout_s)
+        soak = Soak(srv, args, rng, snapshot)
         traffic = Traffic(
             srv, REQUESTS, MAX_TOKENS, args.clients, lambda now, _: soak.stamps.append(now), 0.25, SAMPLING
         )
@@ -456,8 +583,11 @@ def main() -> None:
             time.sleep(2.0)
         topo = srv.topology()
         result["end"] = {"target": soak.target, "dp_size": topo["dp_size"], "active": topo["active"]}
+        result["joined_from"] = joined_from(soak.joined)
     finally:
         srv.stop()
+        if store:
+            shutil.rmtree(store)
     settle_windows(rows, traffic, reference)
     result["summary"] = {
         "faults": len(rows),
@@ -499,6 +629,10 @@ def report(result: dict) -> None:
     print(
         f"{s['faults']} faults, {s['sent']} requests, {s['lost']} lost, {s['wrong_tokens']} with wrong tokens, "
         f"{s['not_recovered']} not recovered; at the target size at the end: {s['at_target_at_end']}"
+    )
+    print(
+        f"snapshot: {result['snapshot']}; joiners joined from: "
+        + (", ".join(f"{k} {n}" for k, n in result.get("joined_from", {}).items()) or "-")
     )
 
 

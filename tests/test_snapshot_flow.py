@@ -1,6 +1,7 @@
 """Snapshots in the elastic flow, with real CRIU: joiners are restored from a baked worker image,
 two at once from one image, and serve exactly what the reference does; a tampered image is
-refused with the reason and the joiner cold-starts; a leaving rank parks and the next scale-up
+refused with the reason and the joiner cold-starts (one damaged after the router chose it too,
+until it is repaired); a leaving rank parks and the next scale-up
 restores it instead of starting a process; restored processes die with the graph."""
 
 from __future__ import annotations
@@ -223,3 +224,36 @@ def test_a_standby_copy_restored_ahead_is_the_next_joiner(snapshots, reference):
     while Path(f"/proc/{third}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{third}").exists()
+
+
+def test_a_snapshot_damaged_after_it_was_chosen_is_refused_until_repaired(tmp_path, reference):
+    """The router chose the image and hashed its files as it started (the checksums cached); a
+    byte flipped afterwards is still found: the next joiner refuses it and cold-starts, and once the
+    byte is back the one after is restored from it again, every completion the reference's."""
+    snap, m = bake(tmp_path / "store" / "snap", tier="criu", progress=False)
+    pages = largest(snap, m.files, f"{IMAGE_DIR}/pages-")
+    srv = Server(
+        [
+            "--Worker.max_ranks=4",
+            "--Worker.dp_size=1",
+            f"--Worker.snapshot_root={snap.parent}",
+            "--Planner.enabled=false",
+        ]
+    )
+    try:
+        assert (chosen := chosen_snapshot(srv))["state"] == "chosen", chosen
+        with Traffic(srv, PROMPTS, MAX_TOKENS, clients=2) as traffic:
+            restored = scale(srv, 2)
+            flip_byte(snap / pages, 4096)
+            damaged = scale(srv, 3)
+            flip_byte(snap / pages, 4096)  # the same bit back: the image as baked
+            repaired = scale(srv, 4)
+    finally:
+        srv.stop()
+    assert restored["phase"] == "done" and restored["joined_from"] == {"1": "snapshot"}, restored
+    assert damaged["phase"] == "done" and damaged["joined_from"] == {"2": "cold"}, damaged
+    assert damaged["snapshot_refused"] == {"2": f"snapshot {snap}: {pages}: checksum mismatch (tampered or corrupt)"}
+    assert repaired["phase"] == "done" and repaired["joined_from"] == {"3": "snapshot"}, repaired
+    assert repaired["snapshot_refused"] == {}
+    assert traffic.errors == []
+    assert all(text == reference[p] for p, text, _, _ in traffic.results)
