@@ -120,12 +120,11 @@ def decode_graph_sizes(cfg: RankConfig) -> list[int]:
     two, ... pieces of prompt rows up to the budget (cuda_graphs.py: decodes, then prompt tokens
     one a row, the step in the smallest that holds them). Otherwise powers of two up to max_seqs,
     and max_seqs itself, so no decode batch falls back to eager kernels."""
-    top, budget = cfg.max_seqs, cfg.max_batched_tokens
+    top = cfg.max_seqs
     if cfg.cuda_graph_sizes is not None:
         return sorted(b for b in cfg.cuda_graph_sizes if b <= step_rows(cfg))
     if cfg.batch_invariant:
-        piece = prompt_piece(cfg)
-        return [top, *(top + k * piece for k in range(1, -(-budget // piece) + 1))]
+        return [top, *range(top + prompt_piece(cfg), step_rows(cfg) + 1, prompt_piece(cfg))]
     return sorted({*(1 << i for i in range(top.bit_length()) if 1 << i < top), top})
 
 
