@@ -413,6 +413,7 @@ def graph_options(args, snapshot_root: Path | None) -> list[str]:
         "--Router.allow_fault_injection=true",
         "--Planner.up_intervals=1000000000",
         "--Planner.down_intervals=1000000000",
+        f"--Planner.min_dp={args.min_size}",  # else it holds Worker.dp_size and undoes a shrink below it
         f"--Planner.port={planner_port}",
         *([f"--Worker.snapshot_root={snapshot_root}"] if snapshot_root else []),
         *args.graph_args,

@@ -221,6 +221,19 @@ def test_bounds_default_to_the_start_size():
     assert (b.min_dp, b.max_dp, b.up, b.down) == (2, 4, 16.0, 4.0)
 
 
+def test_more_ranks_than_gpus_share_them_with_a_warning(monkeypatch, caplog):
+    """Ranks past the visible GPUs share them (rank r on GPU r % n): the planner may grow there,
+    and says that it adds no compute."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with caplog.at_level(logging.WARNING, logger="components.planner.service"):
+        b = resolve(Planner.Config(), WorkerConfig(device="cuda", dp_size=1, max_ranks=3, min_ranks=1, max_seqs=16))
+    assert (b.min_dp, b.max_dp) == (1, 3)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Planner.max_dp (3) is over this host's 1 visible GPUs: ranks past 1 share GPUs (rank r on GPU r % 1), "
+        "so growing past 1 adds no compute"
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # the load ramp against `dynamo serve`
 

@@ -125,7 +125,8 @@ def check_latent_rotary_cache(device: str, dtype: torch.dtype, interleave: bool,
 
 def check_experts(device: str, dtype: torch.dtype) -> None:
     """Each row through its own slot's expert, rows of no slot (-1, S, beyond) zero; slot 1 has
-    more rows than a row block and slot 2 more than three (a prompt chunk's blocks); the count
+    more rows than a row block and slots 0 and 2 fourteen blocks each (a prompt chunk's, more
+    blocks than the grid has programs, so a program runs several); the count
     gains the rows with a slot; a row's result is bitwise the same alone. (On a GPU, test_engine
     runs these kernels through the MoE layer.)"""
     from components.engine.kernels.expert_gemm import BLOCK_M, swiglu_experts
@@ -134,7 +135,7 @@ def check_experts(device: str, dtype: torch.dtype) -> None:
     S, H, I = 4, 64, 96
     wg, wu = (torch.randn(S, I, H, device=device).to(dtype) * 0.1 for _ in range(2))
     wd = torch.randn(S, H, I, device=device).to(dtype) * 0.1
-    local = [3, 0, -1, 3, 1, 2, 0, S, S + 5] + [1] * (BLOCK_M + 3) + [2, 0] * (3 * BLOCK_M + 1)
+    local = [3, 0, -1, 3, 1, 2, 0, S, S + 5] + [1] * (BLOCK_M + 3) + [2, 0] * (14 * BLOCK_M + 1)
     local = torch.tensor(local, dtype=torch.int32, device=device)
     x = torch.randn(len(local), H, device=device).to(dtype)
     count = torch.tensor([2], device=device)

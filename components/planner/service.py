@@ -178,11 +178,14 @@ def resolve(cfg: Planner.Config, worker: WorkerConfig) -> Bounds:
             f"Worker.dp_size ({w_dp}) is outside the planner's bounds {lo}..{hi} (Planner.min_dp..Planner.max_dp)"
         )
     if worker.device == "cuda":
+        # Ranks past the GPU count share GPUs (rank r on GPU r % n), which runs but does not add
+        # compute: worth saying, not refusing (one GPU serving 1 -> 2 -> 1 is how it is tested).
         gpus = _visible_gpus()
         if gpus is not None and hi > gpus:
-            raise ValueError(
-                f"Planner.max_dp ({hi}) is over capacity: this host has {gpus} visible GPUs and each rank takes one"
-            )
+            log.warning(
+                "Planner.max_dp (%d) is over this host's %d visible GPUs: ranks past %d share GPUs "
+                "(rank r on GPU r %% %d), so growing past %d adds no compute", hi, gpus, gpus, gpus, gpus,
+            )  # fmt: skip
     up = cfg.scale_up_threshold or float(worker.max_seqs)
     down = cfg.scale_down_threshold or up / 4
     if down >= up:

@@ -8,9 +8,11 @@ and one tile of output columns: a slot no row goes to costs nothing, and a touch
 close to bandwidth. A prompt chunk sends each expert hundreds of rows, in blocks that are
 neighbours in launch order (the block varies fastest), so they run together and read the slot's
 weight tile once from HBM, then from L2: the chunk runs at tensor-core rate, not re-reading every
-expert's weights per BLOCK_M rows. The grid holds as many blocks as any grouping can have (one per
-BLOCK_M rows, plus one partial block per slot), so a graph captures one grid; blocks past the last
-group end at once. The first kernel
+expert's weights per BLOCK_M rows. The grid is fixed, so a graph captures it, and each program
+loops over the blocks the grouping made (program p takes blocks p, p + P, ...; their count is
+read on the device). Its size is not the most blocks M rows can have: M is the EP window's
+capacity, which the token budget sets, and a decode step fills a few blocks of it, so a grid of
+that size launched thousands of idle programs per layer each step. The first kernel
 gathers each group's rows and writes silu(x Wg^T) * (x Wu^T) in group order; the second applies
 Wd and scatters the results back to the rows' own places, leaving rows of no slot zero.
 
@@ -56,17 +58,17 @@ def _expert_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0)
     offs_s = tl.arange(0, BLOCK_S)
     block_ends = tl.load(blocks_ptr + offs_s, mask=offs_s < S, other=2**31 - 1)
-    s = tl.sum((block_ends <= b).to(tl.int32), 0)  # the slot whose blocks hold block b
-    if s < S:
+    total = tl.load(blocks_ptr + S - 1)  # the blocks this grouping has, of the grid's most
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    for b in range(tl.program_id(0), total, tl.num_programs(0)):
+        s = tl.sum((block_ends <= b).to(tl.int32), 0)  # the slot whose blocks hold block b
         first = tl.load(blocks_ptr + s - 1, mask=s > 0, other=0)
         start = tl.load(ends_ptr + s - 1, mask=s > 0, other=0)
         end = tl.load(ends_ptr + s)
         m0 = start + (b - first) * BLOCK_M
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
         w_tile = s.to(tl.int64) * N * K + offs_n[None, :].to(tl.int64) * K
         pos = m0 + tl.arange(0, BLOCK_M)
         m_ok = pos < end
@@ -162,7 +164,9 @@ def swiglu_experts(
     S, I, _ = w_gate.shape
     rows, ends, blocks = group_rows(local, S, count)
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 stays fp32 (no TF32)
-    grid = triton.cdiv(M, BLOCK_M) + min(S, M)  # the most blocks any grouping of M rows has
+    # Decode fills at most one block per slot (under BLOCK_M rows each), so it runs in one pass;
+    # a prompt chunk's blocks take a few.
+    grid = min(triton.cdiv(M, BLOCK_M) + min(S, M), 2 * S + 16)
     tiles = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_S=triton.next_power_of_2(S))
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)
     _expert_kernel[(grid, triton.cdiv(I, BLOCK_N))](
