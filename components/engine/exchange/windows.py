@@ -41,7 +41,9 @@ from components.engine.memory.vmm import VmmArena, VmmError, VmmExporter, VmmWin
 
 log = logging.getLogger(__name__)
 
-SEND_PROGRAMS = 16  # programs per destination in a send; every one of them arrives once
+SEND_PROGRAMS = 64  # programs per destination in a send; every one of them arrives once. At 16 a
+# DeepSeek-shaped dispatch of 256 rows (14 KB each) to one rank took 32 us: each program copies its
+# rows one after another, so the copy is latency-bound, not bandwidth-bound; at 64, 10 us.
 _BLOCK = 1024  # int32 words a program copies per iteration
 
 
