@@ -117,7 +117,8 @@ class DecodeGraphs:
         self.samplers: dict[int, torch.cuda.CUDAGraph] = {}
         for b in reversed(self.sizes):  # largest first so smaller graphs share its memory pool
             self._capture(b)
-        log.info("captured decode graphs for batch sizes %s (%d segments each)", self.sizes, len(self.cuts) + 1)
+        segments = len(self.graphs[self.sizes[0]])  # one graph where the exchange runs inside it
+        log.info("captured decode graphs for batch sizes %s (%d segments each)", self.sizes, segments)
 
     def _batch(self, b: int) -> ForwardBatch:
         return ForwardBatch(
