@@ -1,13 +1,16 @@
 """The experts of one MoE layer at decode sizes on one GPU: the engine's Triton kernels
 (components/engine/kernels/expert_gemm.py) beside torch._grouped_mm over rows sorted by slot and every
 expert applied to every row as batched matmuls, each captured in a CUDA graph, beside the floor of
-reading every expert's weights once at `--hbm-gbps`.
+reading every expert's weights once at `--hbm-gbps` or the rows' FLOPs at the dense bf16 GEMM
+rate measured in the same run, whichever is longer. `--tiles` times other tilings of the kernels
+beside the engine's (every one checked against the all-experts form).
 
 Rows are routed to uniformly random slots; `rows` is how many the layer computes, `capacity` the
 fixed row count it is handed (the rest marked as no slot, as the peer-window exchange hands its
 mailbox over). Needs CUDA (Triton).
 
     python -m bench.experts                       # Mixtral shapes: 8 slots, hidden 4096, ffn 14336, bf16
+    python -m bench.experts --capacity 4096 --rows 2,64,256,1024,4096 --tiles 64x128x64:4:4,128x128x64:8:3
 """
 
 from __future__ import annotations
@@ -19,6 +22,21 @@ import torch
 import torch.nn.functional as F
 
 from bench.measure import graph_ms, write_results
+
+
+def parse_tiles(text: str):
+    """MxNxK[:warps[:stages]] -> expert_gemm.Tiles (ValueError saying what is wrong)."""
+    from components.engine.kernels.expert_gemm import Tiles
+
+    shape, *rest = text.strip().split(":")
+    try:
+        m, n, k = (int(v) for v in shape.split("x"))
+        extra = [int(v) for v in rest]
+    except ValueError:
+        raise ValueError(f"{text!r} is not MxNxK[:warps[:stages]] in integers") from None
+    if len(extra) > 2 or min(m, n, k, *extra) < 1 or any(v & (v - 1) for v in (m, n, k, *extra[:1])):
+        raise ValueError(f"{text!r}: M, N, K and warps must be powers of two, stages >= 1")
+    return Tiles(m, n, k, *extra)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ffn", type=int, default=14336, help="expert intermediate size")
     ap.add_argument("--rows", default="2,16,64,128,256", help="comma-separated rows computed")
     ap.add_argument("--capacity", type=int, default=512, help="rows handed over (the rest of no slot); 0: = rows")
+    ap.add_argument(
+        "--tiles",
+        default="",
+        help="comma-separated tilings to time beside the engine's, each MxNxK[:warps[:stages]] (e.g. 128x128x64:8)",
+    )
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--hbm-gbps", type=float, default=4000.0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/experts.json"))
@@ -41,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rows = [int(r) for r in args.rows.split(",") if r.strip()]
     except ValueError:
         ap.error(f"--rows must be comma-separated integers, got {args.rows!r}")
+    try:
+        args.tiles = [parse_tiles(t) for t in args.tiles.split(",") if t.strip()]
+    except ValueError as e:
+        ap.error(f"--tiles: {e}")
     if not args.rows or min(args.rows) < 1 or args.capacity < 0:
         ap.error("--rows values must be >= 1 and --capacity >= 0")
     if not torch.cuda.is_available():
@@ -50,13 +77,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from components.engine.kernels.expert_gemm import swiglu_experts
+    from components.engine.kernels.expert_gemm import TILES, swiglu_experts
 
     torch.manual_seed(0)
     S, H, I, dt = args.slots, args.hidden, args.ffn, torch.bfloat16
     wg, wu = (torch.randn(S, I, H, device="cuda", dtype=dt) * 0.02 for _ in range(2))
     wd = torch.randn(S, H, I, device="cuda", dtype=dt) * 0.02
-    floor_ms = 3 * S * I * H * 2 / (args.hbm_gbps * 1e9) * 1e3
+    weight_ms = 3 * S * I * H * 2 / (args.hbm_gbps * 1e9) * 1e3
+    gemm_flop_s = dense_flop_s(dt)
+    tilings = [TILES, *(t for t in args.tiles if t != TILES)]
 
     def grouped(x, key):
         order = torch.argsort(key, stable=True)
@@ -79,32 +108,50 @@ def main(argv=None) -> int:
         x = torch.randn(m, H, device="cuda", dtype=dt)
         key = torch.randint(0, S, (m,), device="cuda")
         key[n:] = S
-        row = {"rows": n, "capacity": m, "floor_ms": floor_ms}
-        row["triton_ms"] = graph_ms(lambda: swiglu_experts(x, key, wg, wu, wd), args.replays)
+        # The floor: every touched expert's weights read once, or the rows' FLOPs at the dense
+        # GEMM rate measured here, whichever is longer.
+        floor_ms = max(weight_ms, 6 * n * H * I / gemm_flop_s * 1e3)
+        row = {"rows": n, "capacity": m, "floor_ms": floor_ms, "weight_floor_ms": weight_ms}
+        want = all_experts(x[:n], key[:n]).float()
+        row["triton"] = []
+        for t in tilings:
+            ms = graph_ms(lambda t=t: swiglu_experts(x, key, wg, wu, wd, tiles=t), args.replays)
+            got = swiglu_experts(x, key, wg, wu, wd, tiles=t)[:n].float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            row["triton"].append({"tiles": t._asdict(), "ms": ms, "max_rel_err": err})
         row["grouped_mm_ms"] = graph_ms(lambda: grouped(x, key), args.replays)
         row["bmm_all_ms"] = graph_ms(lambda: all_experts(x, key), args.replays) if m <= 256 else None
-        want = all_experts(x[:n], key[:n]).float()
-        got = swiglu_experts(x, key, wg, wu, wd)[:n].float()
-        row["triton_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
         rows.append(row)
-    head = ["rows", "capacity", "triton ms", "grouped_mm ms", "bmm all ms", "floor ms", "triton/floor", "rel err"]
+    names = ["x".join(map(str, t[:3])) + f":{t.warps}:{t.stages}" for t in tilings]
+    head = ["rows", "capacity", *(f"triton {n} ms" for n in names), "grouped_mm ms", "bmm all ms", "floor ms"]
+    head += ["best triton/floor", "rel err (engine's)"]
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
     for r in rows:
         bmm = f"{r['bmm_all_ms']:.3f}" if r["bmm_all_ms"] else "-"
+        best = min(t["ms"] for t in r["triton"])
         print(
-            f"{r['rows']} | {r['capacity']} | {r['triton_ms']:.3f} | {r['grouped_mm_ms']:.3f} | {bmm} | "
-            f"{r['floor_ms']:.3f} | {r['triton_ms'] / r['floor_ms']:.2f}x | {r['triton_max_rel_err']:.1e}"
-        )
+            f"{r['rows']} | {r['capacity']} | " + " | ".join(f"{t['ms']:.3f}" for t in r["triton"])
+            + f" | {r['grouped_mm_ms']:.3f} | {bmm} | {r['floor_ms']:.3f} | {best / r['floor_ms']:.2f}x | "
+            + f"{r['triton'][0]['max_rel_err']:.1e}"
+        )  # fmt: skip
     result = {
         "benchmark": "bench.experts",
         "device": torch.cuda.get_device_name(),
         "shapes": {"slots": S, "hidden": H, "ffn": I, "dtype": "bfloat16"},
         "hbm_gbps": args.hbm_gbps,
+        "dense_gemm_flop_s": gemm_flop_s,
+        "engine_tiles": TILES._asdict(),
         "rows": rows,
     }
     write_results(args.out, result)
     return 0
+
+
+def dense_flop_s(dtype: torch.dtype, n: int = 8192) -> float:
+    """torch.matmul's rate on an n x n x n GEMM in `dtype` on this GPU (a CUDA graph of it)."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
+    return 2 * n**3 / (graph_ms(lambda: a @ b, 10) * 1e-3)
 
 
 if __name__ == "__main__":

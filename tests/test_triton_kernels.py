@@ -123,23 +123,25 @@ def check_latent_rotary_cache(device: str, dtype: torch.dtype, interleave: bool,
         assert torch.equal(q1[0], got[i]) and torch.equal(alone[slots[i], pos[i]], cache[slots[i], pos[i]])
 
 
-def check_experts(device: str, dtype: torch.dtype) -> None:
+def check_experts(device: str, dtype: torch.dtype, tiles=None) -> None:
     """Each row through its own slot's expert, rows of no slot (-1, S, beyond) zero; slot 1 has
     more rows than a row block and slots 0 and 2 fourteen blocks each (a prompt chunk's, more
     blocks than the grid has programs, so a program runs several); the count
     gains the rows with a slot; a row's result is bitwise the same alone. (On a GPU, test_engine
-    runs these kernels through the MoE layer.)"""
-    from components.engine.kernels.expert_gemm import BLOCK_M, swiglu_experts
+    runs these kernels through the MoE layer.) `tiles`: another tiling than the engine's."""
+    from components.engine.kernels.expert_gemm import TILES, swiglu_experts
 
+    tiles = tiles or TILES
     torch.manual_seed(0)
     S, H, I = 4, 64, 96
     wg, wu = (torch.randn(S, I, H, device=device).to(dtype) * 0.1 for _ in range(2))
     wd = torch.randn(S, H, I, device=device).to(dtype) * 0.1
-    local = [3, 0, -1, 3, 1, 2, 0, S, S + 5] + [1] * (BLOCK_M + 3) + [2, 0] * (14 * BLOCK_M + 1)
+    m = tiles.m
+    local = [3, 0, -1, 3, 1, 2, 0, S, S + 5] + [1] * (m + 3) + [2, 0] * (14 * m + 1)
     local = torch.tensor(local, dtype=torch.int32, device=device)
     x = torch.randn(len(local), H, device=device).to(dtype)
     count = torch.tensor([2], device=device)
-    got = swiglu_experts(x, local, wg, wu, wd, count)
+    got = swiglu_experts(x, local, wg, wu, wd, count, tiles)
     assert got.dtype == dtype
     assert count.item() == 2 + len(local) - 3
     for i, s in enumerate(local.tolist()):
@@ -150,7 +152,7 @@ def check_experts(device: str, dtype: torch.dtype) -> None:
         want = (F.silu(h @ wg[s].float().T) * (h @ wu[s].float().T)) @ wd[s].float().T
         torch.testing.assert_close(got[i : i + 1].float(), want, **TOL[dtype])
     for i in (0, 4, len(local) - 2, len(local) - 1):
-        alone = swiglu_experts(x[i : i + 1], local[i : i + 1], wg, wu, wd)
+        alone = swiglu_experts(x[i : i + 1], local[i : i + 1], wg, wu, wd, tiles=tiles)
         assert torch.equal(alone[0], got[i]), f"row {i} differs alone and batched"
 
 
@@ -158,7 +160,7 @@ def check_group_rows(device: str) -> None:
     """group_rows: bitwise the torch form SparseMoE.experts runs on the CPU (slot validity, key,
     moe.group_by_slot) and its count of rows with a slot, for int32 and int64 slots, 1 to 64
     slots, a row or thousands (more than one block of the scan), none with a slot or all."""
-    from components.engine.kernels.expert_gemm import BLOCK_M, group_rows
+    from components.engine.kernels.expert_gemm import TILES, group_rows
     from components.engine.models.moe import group_by_slot
 
     g = torch.Generator().manual_seed(0)
@@ -176,7 +178,7 @@ def check_group_rows(device: str) -> None:
         want_rows, want_ends = group_by_slot(torch.where(real, local.long(), S), S)
         assert torch.equal(rows, want_rows) and torch.equal(ends, want_ends), (M, S)
         sizes = torch.diff(want_ends.long(), prepend=torch.zeros(1, dtype=torch.long, device=device))
-        assert torch.equal(blocks.long(), torch.cumsum((sizes + BLOCK_M - 1) // BLOCK_M, 0)), (M, S)
+        assert torch.equal(blocks.long(), torch.cumsum((sizes + TILES.m - 1) // TILES.m, 0)), (M, S)
         assert count.item() == 5 + int(real.sum()), (M, S)
 
 
@@ -207,7 +209,10 @@ def test_latent_rotary_cache_write_matches_torch_bitwise(dtype, interleave):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_experts_and_their_grouping_on_cuda(dtype):
+    from components.engine.kernels.expert_gemm import Tiles
+
     check_experts("cuda", dtype)
+    check_experts("cuda", dtype, Tiles(128, 128, 64, warps=8))  # a prompt-sized tiling, as bench.experts tries
     check_group_rows("cuda")
 
 
@@ -261,6 +266,9 @@ def _interpreted() -> None:
             for table_dtype in (torch.float32, torch.bfloat16):
                 check_latent_rotary_cache("cpu", dtype, interleave, table_dtype)
         check_experts("cpu", dtype)
+    from components.engine.kernels.expert_gemm import Tiles
+
+    check_experts("cpu", torch.float32, Tiles(32, 32, 64))  # bench.experts --tiles runs others
     check_group_rows("cpu")
 
 
@@ -281,3 +289,26 @@ def test_bench_attention_runs_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(row["max_seqs"], row["ctx"]) for row in rows] == [(2, 3), (2, 70)]
     assert all(row["max_abs_diff"] < 2e-2 for row in rows)
+
+
+@pytest.mark.parametrize(
+    "tiles,message",
+    [
+        ("64x48x64", "--tiles: '64x48x64': M, N, K and warps must be powers of two, stages >= 1"),
+        ("64x64", "--tiles: '64x64' is not MxNxK[:warps[:stages]] in integers"),
+        ("64x64x64:4:3:2", "--tiles: '64x64x64:4:3:2': M, N, K and warps must be powers of two, stages >= 1"),
+    ],
+)
+def test_bench_experts_refuses_a_bad_tiling(tiles, message):
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.experts", "--tiles", tiles], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_bench_experts_reads_a_tiling():
+    from bench.experts import parse_tiles
+    from components.engine.kernels.expert_gemm import Tiles
+
+    assert parse_tiles("128x128x64:8") == Tiles(128, 128, 64, warps=8, stages=3)
+    assert parse_tiles(" 64x128x64:4:4") == Tiles(64, 128, 64, warps=4, stages=4)

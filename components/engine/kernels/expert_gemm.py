@@ -32,14 +32,31 @@ Nothing syncs with the host: the row count can be a fixed capacity, and a graph 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+
+class Tiles(NamedTuple):
+    """The expert kernels' tiling: rows a block (m), output columns (n) and the reduction step (k)
+    a program takes, its warps and pipeline stages. One tiling serves every row count, so a row's
+    bits depend on it and never on the batch; `bench.experts --tiles` compares tilings."""
+
+    m: int
+    n: int
+    k: int
+    warps: int = 4
+    stages: int = 3
+
+
 # Measured on an H200 (8 slots, H 4096, I 14336, bf16): 64-row blocks keep a slot's weights read
 # once up to 256 rows in all (0.71-0.77 ms, the bandwidth floor 0.70); 16-row blocks re-read them
-# from 128 rows on (1.1 ms), and torch._grouped_mm takes 1.04-1.08 ms throughout.
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 128
+# from 128 rows on (1.1 ms), and torch._grouped_mm takes 1.04-1.08 ms throughout. A prompt's
+# 4096 rows take 4.9 ms against grouped_mm's 2.7 and a compute floor near 1.9: a larger tiling
+# would serve prompts better if it keeps decode at the floor, which bench.experts --tiles shows.
+TILES = Tiles(64, 64, 128)
 
 
 @triton.jit
@@ -156,11 +173,11 @@ def _place_kernel(
 
 
 def group_rows(
-    local: torch.Tensor, slots: int, count: torch.Tensor | None = None
+    local: torch.Tensor, slots: int, count: torch.Tensor | None = None, block_m: int = TILES.m
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe.group_by_slot of local's keys (a slot in 0..slots-1, anything else: no slot, key
     `slots`): (rows [M] int32 in group order, ends [slots] int32, block ends [slots] int32: the
-    running count of each group's blocks of BLOCK_M rows); `count` gains the number of rows with
+    running count of each group's blocks of `block_m` rows); `count` gains the number of rows with
     a slot. Two launches of one program per chunk of rows: each chunk's histogram of keys, then
     each chunk's rows placed behind the rows of smaller keys and the earlier chunks' of their own."""
     M = local.shape[0]
@@ -176,7 +193,7 @@ def group_rows(
     _count_kernel[(nb,)](local, hist, M, slots, BLOCK=block, KEYS=keys)
     _place_kernel[(nb,)](
         local, hist, rows, ends, blocks, count if count is not None else rows, M, slots, nb,
-        HAS_COUNT=count is not None, BLOCK=block, KEYS=keys, CHUNKS=max(1, 4096 // keys), BLOCK_M=BLOCK_M,
+        HAS_COUNT=count is not None, BLOCK=block, KEYS=keys, CHUNKS=max(1, 4096 // keys), BLOCK_M=block_m,
     )  # fmt: skip
     return rows, ends, blocks
 
@@ -188,24 +205,28 @@ def swiglu_experts(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     count: torch.Tensor | None = None,
+    tiles: Tiles = TILES,
 ) -> torch.Tensor:
     """Row i through the expert in slot local[i] ([S, I, H] gate and up, [S, H, I] down weights);
     a row whose slot is outside 0..S-1 (-1: padding) comes back zero. `count` gains the number of
     rows with a slot."""
     M, H = x.shape
     S, I, _ = w_gate.shape
-    rows, ends, blocks = group_rows(local, S, count)
+    t = tiles
+    rows, ends, blocks = group_rows(local, S, count, t.m)
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 stays fp32 (no TF32)
-    # Decode fills at most one block per slot (under BLOCK_M rows each), so it runs in one pass;
-    # a prompt chunk's blocks take a few.
-    grid = min(triton.cdiv(M, BLOCK_M) + min(S, M), 2 * S + 16)
-    tiles = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_S=triton.next_power_of_2(S))
+    # Decode fills at most one block per slot (under t.m rows each), so it runs in one pass; a
+    # prompt chunk's blocks take a few.
+    grid = min(triton.cdiv(M, t.m) + min(S, M), 2 * S + 16)
+    launch = dict(
+        BLOCK_M=t.m, BLOCK_N=t.n, BLOCK_K=t.k, BLOCK_S=triton.next_power_of_2(S), num_warps=t.warps, num_stages=t.stages
+    )
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    _expert_kernel[(grid, triton.cdiv(I, BLOCK_N))](
-        x.contiguous(), rows, ends, blocks, w_gate, w_up, h, I, H, S, GATED=True, PRECISION=precision, **tiles
+    _expert_kernel[(grid, triton.cdiv(I, t.n))](
+        x.contiguous(), rows, ends, blocks, w_gate, w_up, h, I, H, S, GATED=True, PRECISION=precision, **launch
     )
     y = torch.zeros(M, H, dtype=x.dtype, device=x.device)
-    _expert_kernel[(grid, triton.cdiv(H, BLOCK_N))](
-        h, rows, ends, blocks, w_down, w_down, y, H, I, S, GATED=False, PRECISION=precision, **tiles
+    _expert_kernel[(grid, triton.cdiv(H, t.n))](
+        h, rows, ends, blocks, w_down, w_down, y, H, I, S, GATED=False, PRECISION=precision, **launch
     )
     return y
