@@ -6,13 +6,15 @@ Greedy outputs are judged token for token against the single-rank in-process eng
 
 from __future__ import annotations
 
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from components.graph.spawn import ROUTE_NOISE
 from components.planner.service import parse_prometheus
-from harness.server import Server, engine_reference, scale, scale_under_traffic
+from harness.server import Server, alive, engine_reference, freeze, scale, scale_under_traffic
 from harness.server import Traffic as _Traffic
 
 MAX_TOKENS = 24
@@ -119,6 +121,36 @@ def test_a_joiner_that_dies_before_the_commit_is_replaced_by_a_new_one(server, r
         op = scale(server, 3, fault=fault)
     assert op["phase"] == "done", op
     assert [(r["rank"], r["phase"], r["attempt"]) for r in op["joiner_retries"]] == [(2, phase, 2)], op
+    assert server.topology()["active"] == [0, 1, 2]
+    assert traffic.errors == []
+    assert all(toks == reference[p] for p, toks, _, _ in traffic.results)
+    assert scale(server, 2)["phase"] == "done"
+
+
+def test_a_joiner_that_stalls_before_the_commit_is_fenced_and_replaced(server, reference):
+    """SIGSTOPped while it holds its pull back (it answers nothing, its process lives): not held
+    until Router.prepare_timeout_s (60 s here) but fenced after Router.joiner_timeout_s (10 s) of
+    silence and replaced; the scale-up reaches its target, nothing lost."""
+    fault, since = "stall_on=pull_weights,stall_s=30", len(server.output)
+
+    def line(pattern: str) -> re.Match:
+        deadline = time.monotonic() + 120
+        while not (m := re.search(pattern, server.output[since:], re.M)):
+            assert time.monotonic() < deadline, server.tail(60)
+            time.sleep(0.05)
+        return m
+
+    with Traffic(server, clients=2) as traffic, ThreadPoolExecutor(1) as pool:
+        scaled = pool.submit(scale, server, 3, fault=fault)
+        m = line(rf"started Worker\.(\d+) \(pid (\d+), \w+\) with fault {re.escape(fault)}$")
+        rank, pid = int(m.group(1)), int(m.group(2))
+        line(rf"rank {rank}: injected fault: stalling pull_weights ")
+        freeze(pid)
+        op = scaled.result(timeout=240)
+    assert op["phase"] == "done", op
+    assert [(r["rank"], r["phase"], r["attempt"]) for r in op["joiner_retries"]] == [(2, "loading", 2)], op
+    assert "ScaleError: rank 2 stalled during loading: no answer for " in op["joiner_retries"][0]["error"], op
+    assert not alive(pid)  # fenced: it can never act on this operation again
     assert server.topology()["active"] == [0, 1, 2]
     assert traffic.errors == []
     assert all(toks == reference[p] for p, toks, _, _ in traffic.results)

@@ -248,6 +248,7 @@ class Ranks:
         self.refused: dict[int, str] = {}
         self.checkpoints_parked = False
         self.pull = pull
+        self.silent: dict[int, float] = {}  # rank -> seconds without an answer
 
     @staticmethod
     def describe(r: int) -> m.RankStatus:
@@ -302,6 +303,9 @@ class Ranks:
 
     def failed(self, rank: int) -> bool:
         return rank in self.failing
+
+    def silent_s(self, rank: int) -> float:
+        return self.silent.get(rank, 0.0)
 
     async def acquire(self, ranks, op, fault=""):
         return {r: "cold" for r in ranks}
@@ -749,8 +753,36 @@ class JoinerDiesOnce(Ranks):
         return False if rank == 3 and self.dead else None
 
 
-def test_a_scale_up_whose_joiner_dies_starts_a_new_one_and_reaches_its_target():
-    ranks = JoinerDiesOnce()
+class JoinerStallsOnce(JoinerDiesOnce):
+    """Joiner 3's first process stops answering anything on its first PullWeights (SIGSTOP: the
+    provider still sees it alive); the one started after it is fine."""
+
+    async def acquire(self, ranks, op, fault=""):
+        self.silent.pop(3, None)
+        return await super().acquire(ranks, op, fault)
+
+    async def send(self, rank, msg):
+        if isinstance(msg, m.PullWeights) and rank == 3 and self.started == 1:
+            self.silent[3] = 10.5
+            await asyncio.Event().wait()
+        return await super().send(rank, msg)
+
+    def alive(self, rank):
+        return None if rank == 3 else super().alive(rank)
+
+
+@pytest.mark.parametrize(
+    "ranks,error,fenced",
+    [
+        (JoinerDiesOnce, "ScaleError: rank 3 died during loading", []),
+        # Not held until Router.prepare_timeout_s (120 s): silent past joiner_timeout_s, it is
+        # SIGKILLed (fenced) before its rank gets a new joiner.
+        (JoinerStallsOnce, "ScaleError: rank 3 stalled during loading: no answer for 10.5 s", [(3, 103)]),
+    ],
+    ids=["dies", "stalls"],
+)
+def test_a_scale_up_whose_joiner_fails_starts_a_new_one_and_reaches_its_target(ranks, error, fenced):
+    ranks = ranks()
     op = Operation(
         ScaleRequest(dp_size=4), Committed(epoch=1, active=[0, 1, 2], placement=THREE),
         [], ranks, ranks, RouterConfig(rebalance=False), max_ranks=4, num_experts=4,
@@ -758,9 +790,9 @@ def test_a_scale_up_whose_joiner_dies_starts_a_new_one_and_reaches_its_target():
     asyncio.run(op.execute(lambda: []))
     assert (op.record.phase, op.record.error, op.topology.active) == ("done", "", [0, 1, 2, 3]), op.record
     assert [(r.rank, r.phase, r.attempt) for r in op.record.joiner_retries] == [(3, "loading", 2)]
-    assert op.record.joiner_retries[0].error == "ScaleError: rank 3 died during loading"
-    assert ranks.started == 2
-    assert [r for r, x in ranks.sent if isinstance(x, m.Disconnect)] == [0, 1, 2]  # the dead one forgotten
+    assert op.record.joiner_retries[0].error == error
+    assert ranks.started == 2 and ranks.fenced == fenced
+    assert [r for r, x in ranks.sent if isinstance(x, m.Disconnect)] == [0, 1, 2]  # the failed one forgotten
     assert list(op.record.phases) == ["starting", "loading", "warming", "connecting", "committing"]
 
 
@@ -839,3 +871,9 @@ def test_a_queued_removal_applies_to_the_ranks_that_still_serve():
         "removal of ranks [1, 3] waits: ranks that failed since it was asked are replaced first (1)",
     )
     assert scaler.resume == req
+
+
+def test_a_joiner_timeout_below_the_rank_timeout_is_refused():
+    """Silence shorter than a status round plus its probe would fail healthy joiners."""
+    with pytest.raises(ValueError, match=r"^joiner_timeout_s \(2\) must be >= rank_timeout_s \(3\)$"):
+        RouterConfig(joiner_timeout_s=2)

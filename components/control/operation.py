@@ -95,6 +95,9 @@ class Phase(enum.Enum):
     ROLLED_BACK = "rolled_back"  # the commit failed: back to the previous set, new epoch
 
 
+# A scale-up's preparation: its joiners work alone, so one that stalls is replaced (`stalled`).
+_PREPARING = {Phase.STARTING, Phase.LOADING, Phase.WARMING, Phase.CONNECTING}
+
 # Back to STARTING from any phase of a scale-up's preparation: a joiner died, a new one starts.
 _NEXT = {
     Phase.QUEUED: {Phase.PAUSING, Phase.STARTING, Phase.DRAINING, Phase.MASKING},
@@ -134,6 +137,10 @@ class RankPort(Protocol):
 
     def failed(self, rank: int) -> bool:
         """The rank was found dead or stalled: waiting for its answer is pointless."""
+
+    def silent_s(self, rank: int) -> float:
+        """Seconds since the rank last answered anything, its status included (0 before its first
+        answer)."""
 
 
 class Operation:
@@ -254,6 +261,9 @@ class Operation:
                 raise self.give_way(failing)
             if self.provider.alive(r) is False or self.port.failed(r):
                 raise ScaleError(f"rank {r} died during {self.phase.value}")
+            if self.stalled(r):
+                quiet = self.port.silent_s(r)
+                raise ScaleError(f"rank {r} stalled during {self.phase.value}: no answer for {quiet:.1f} s")
 
         async def one(r):
             # Every command carries the operation's id, for the rank's log lines about it.
@@ -280,6 +290,14 @@ class Operation:
             return task.result()
 
         return await asyncio.gather(*(one(r) for r in ranks))
+
+    def stalled(self, rank: int) -> bool:
+        """A joiner in preparation that stopped answering even its status (a stopped or wedged
+        process, which the provider still sees alive): replaced like a dead one, at once rather
+        than at Router.prepare_timeout_s."""
+        return (
+            rank in self.joiners and self.phase in _PREPARING and self.port.silent_s(rank) > self.cfg.joiner_timeout_s
+        )
 
     async def giving_way(self, awaitable):
         """Await `awaitable` (that sends no command), giving way at once to a serving rank that
@@ -697,26 +715,33 @@ class Operation:
             try:
                 return await self.prepare(fault)
             except Exception as e:
-                dead = [j for j in self.joiners if self.provider.alive(j) is False]
+                dead = {j: "died" for j in self.joiners if self.provider.alive(j) is False}
+                dead |= {j: "stalled" for j in self.joiners if j not in dead and self.stalled(j)}
                 if not dead or self.preempted:
                     raise
                 error = f"{type(e).__name__}: {e}"
                 if attempt > self.cfg.joiner_retries:
+                    hows = set(dead.values())
+                    verb = hows.pop() if len(hows) == 1 else "died or stalled"
                     raise ScaleError(
-                        f"joiners {dead} died during {self.phase.value}, after {attempt - 1} retries "
+                        f"joiners {sorted(dead)} {verb} during {self.phase.value}, after {attempt - 1} retries "
                         f"(Router.joiner_retries): {error}"
                     ) from e
-                for j in dead:
+                for j, how in dead.items():
                     self.record.joiner_retries.append(JoinerRetry(j, self.phase.value, error, attempt + 1))
                     log.warning(
-                        "[op %s] joiner %d died during %s (%s): a new one starts (attempt %d of %d)",
+                        "[op %s] joiner %d %s during %s (%s): a new one starts (attempt %d of %d)",
                         self.id,
                         j,
+                        how,
                         self.phase.value,
                         error,
                         attempt + 1,
                         self.cfg.joiner_retries + 1,
                     )
+                for j in [j for j, how in dead.items() if how == "stalled"]:
+                    # SIGKILL now: a stopped process ignores the SIGTERM a release starts with.
+                    await self.provider.fence(j, self.port.status(j).pid, self.id)
                 self.undoing = True  # the serving group forgets the joiners whatever happens meanwhile
                 try:
                     await self.drop_joiners()

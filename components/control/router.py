@@ -184,6 +184,10 @@ class RouterService:
     def failed(self, rank: int) -> bool:
         return self.scaler is not None and rank in self.scaler.failing
 
+    def silent_s(self, rank: int) -> float:
+        now = time.monotonic()
+        return now - self.last_seen.get(rank, now)
+
     def operation_ended(self, record: OpRecord, topology: Committed) -> None:
         self._committed = topology
         if record.rebalance_downtime_s is not None:  # an EPLB committed: load counts from here
