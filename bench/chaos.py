@@ -13,6 +13,8 @@ The matrix (bench.faults measures each alone, on a fresh graph; here they follow
                                 phase (injected: stall_on, 3 s) and is SIGKILLed while it does
                                 (starting / loading / connecting / warming: a new joiner, the
                                 scale-up ends done; committing: the commit rolls back)
+  joiner stalled in pull        the same, SIGSTOP instead while it holds back its pull: silent for
+                                Router.joiner_timeout_s, it is fenced (SIGKILL) and replaced
   leaving rank killed           SIGKILL of the leaving rank of a scale-down by one while it drains
   pull source killed            SIGKILL of a random serving rank while a scale-up's joiner holds
                                 back its pull from it (injected: 1 s): masked out, its reads pulled
@@ -175,7 +177,9 @@ class Soak:
             return Injected(t, self.target, {"rank": rank, "stopped_s": stop_s}, not_before=time.time() + 5.0)
         return Injected(t, self.target, {"rank": rank, "stopped": "until fenced"}, detect=failed(rank), gone=[pid])
 
-    def joiner_killed(self, phase: str) -> Injected:
+    def joiner_fault(self, phase: str, stop: bool = False) -> Injected:
+        """SIGKILL (or with `stop` SIGSTOP) of a scale-up's joiner while it holds back the command
+        of `phase`."""
         command, since, size = JOINER_PHASES[phase], len(self.srv.output), self.target
         fault = f"stall_on={command},stall_s={JOINER_STALL_S}"
         r = self.srv.control("POST", "/scale", json={"dp_size": size + 1, "fault": fault})
@@ -188,10 +192,13 @@ class Soak:
         self.wait_output(rf"rank {rank}: injected fault: stalling {command} ", since)
         seen = (self.srv.topology()["operation"] or {}).get("phase")
         t = time.time()
-        os.kill(pid, signal.SIGKILL)
+        if stop:  # silent past Router.joiner_timeout_s: fenced and replaced
+            freeze(pid)
+        else:
+            os.kill(pid, signal.SIGKILL)
         # Before the commit a new joiner is started; in the commit it rolls back (README, Failures).
         target = size if phase == "committing" else size + 1
-        caught = rf"\[op {re.escape(op)}\] (aborting in|rolling back|joiner \d+ died during)"
+        caught = rf"\[op {re.escape(op)}\] (aborting in|rolling back|joiner \d+ (died|stalled) during)"
         return Injected(t, target, {"op": op, "joiner": rank, "phase_seen": seen}, detect=caught, gone=[pid])
 
     def leaving_rank_killed(self) -> Injected:
@@ -371,11 +378,12 @@ MATRIX: dict[str, tuple[Callable[[Soak], Injected], Callable[[Soak], bool]]] = {
     "two ranks killed": (Soak.two_ranks_killed, lambda s: s.target >= 3),
     **{
         f"joiner killed in {phase}": (
-            lambda s, phase=phase: s.joiner_killed(phase),
+            lambda s, phase=phase: s.joiner_fault(phase),
             lambda s: s.target < s.args.max_size,
         )
         for phase in JOINER_PHASES
     },
+    "joiner stalled in pull": (lambda s: s.joiner_fault("pull", stop=True), lambda s: s.target < s.args.max_size),
     "leaving rank killed": (Soak.leaving_rank_killed, lambda s: s.target > s.args.min_size),
     "pull source killed": (Soak.pull_source_killed, lambda s: s.target < s.args.max_size),
     "router killed": (Soak.router_killed, lambda s: True),
