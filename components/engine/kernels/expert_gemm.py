@@ -21,9 +21,9 @@ rows computed, the key, moe.group_by_slot's counting sort: some fifteen small ke
 launch and a gap in a decode graph) in two launches of one program per chunk of rows: each
 chunk's histogram of keys, then each chunk's rows placed behind the rows of smaller keys and of
 the same key in earlier chunks (a one-hot prefix sum within the chunk), so the order within a
-group is the rows' own and nothing is atomic. A scan per key in one program, as it was, took 67 us a layer at 32 slots
-(DeepSeek-shaped, H200), and grows with the slots and the rows. It also counts each group's
-blocks, for the block table.
+group is the rows' own and nothing is atomic. One program scanning the rows once per key took
+67 us a layer at 32 slots (DeepSeek-shaped, H200), growing with the slots and the rows. It also
+counts each group's blocks, for the block table.
 
 A row's result depends on that row alone (the reduction over K runs in fixed tiles, with no
 split across programs), so an expert's output does not change with the batch it came in.
