@@ -873,7 +873,23 @@ def test_a_queued_removal_applies_to_the_ranks_that_still_serve():
     assert scaler.resume == req
 
 
-def test_a_joiner_timeout_below_the_rank_timeout_is_refused():
-    """Silence shorter than a status round plus its probe would fail healthy joiners."""
-    with pytest.raises(ValueError, match=r"^joiner_timeout_s \(2\) must be >= rank_timeout_s \(3\)$"):
-        RouterConfig(joiner_timeout_s=2)
+def test_a_joiner_is_never_held_to_less_than_the_rank_timeout():
+    """A deployment that raised Router.rank_timeout_s past joiner_timeout_s (a slow network, say)
+    keeps its joiners too: silent for 10.5 s, under its rank timeout of 30 s, the joiner is waited
+    for, and the scale-up ends done without a retry."""
+
+    class Slow(JoinerStallsOnce):
+        async def send(self, rank, msg):
+            if isinstance(msg, m.PullWeights) and rank == 3 and self.started == 1:
+                self.silent[3] = 10.5
+                await asyncio.sleep(0.3)  # then it answers
+                self.silent[3] = 0.0
+            return await Ranks.send(self, rank, msg)
+
+    ranks = Slow()
+    op = Operation(
+        ScaleRequest(dp_size=4), Committed(epoch=1, active=[0, 1, 2], placement=THREE),
+        [], ranks, ranks, RouterConfig(rebalance=False, rank_timeout_s=30), max_ranks=4, num_experts=4,
+    )  # fmt: skip
+    asyncio.run(op.execute(lambda: []))
+    assert (op.record.phase, op.record.joiner_retries, ranks.started) == ("done", [], 1), op.record

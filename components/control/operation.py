@@ -295,9 +295,8 @@ class Operation:
         """A joiner in preparation that stopped answering even its status (a stopped or wedged
         process, which the provider still sees alive): replaced like a dead one, at once rather
         than at Router.prepare_timeout_s."""
-        return (
-            rank in self.joiners and self.phase in _PREPARING and self.port.silent_s(rank) > self.cfg.joiner_timeout_s
-        )
+        limit = max(self.cfg.joiner_timeout_s, self.cfg.rank_timeout_s)
+        return rank in self.joiners and self.phase in _PREPARING and self.port.silent_s(rank) > limit
 
     async def giving_way(self, awaitable):
         """Await `awaitable` (that sends no command), giving way at once to a serving rank that
