@@ -199,7 +199,7 @@ class Server:
             "ignore_eos": True,
             **(sampling or {}),
         }
-        text, last = [], None
+        text, last, finished = [], None, None
         with self.http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
@@ -214,7 +214,10 @@ class Server:
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {chunk['error']}")
                 for choice in chunk.get("choices", []):
+                    if finished:
+                        raise RuntimeError(f"a chunk after finish_reason {finished!r}: {chunk}")
                     text.append(choice.get("text") or "")
+                    finished = choice.get("finish_reason")
         return "".join(text)
 
     def stop(self) -> int:

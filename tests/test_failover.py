@@ -405,3 +405,22 @@ def test_a_source_killed_mid_transfer_is_masked_out_and_its_reads_come_from_the_
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
     assert scale(server, 3)["phase"] == "done"
+
+
+def test_a_rank_that_dies_after_a_streams_last_token_leaves_the_client_one_complete_stream(server, reference):
+    """A rank that exits once a stream's last chunk is out, before the stream closes (injected
+    into a joiner): Dynamo's frontend migrates the request with max_tokens reduced by the tokens it
+    got, to 0, which the worker once refused ("max_tokens must be at least 1", CI's failure in
+    test_a_failed_ranks_experts_are_served_by_their_replicas_and_rebuilt_from_peers). Every
+    stream ends with the reference tokens and one finish_reason; the rank is failed over."""
+    assert server.topology()["active"] == [0, 1, 2]
+    before = operation_ids(server)
+    assert scale(server, 4, fault="exit_after_finish")["phase"] == "done"
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        failover, topo = wait_for_failover(server, 3, before)
+        time.sleep(1.0)
+    assert "rank 3: injected fault: exiting after finishing" in server.output
+    assert failover["phase"] == "done", (failover["error"], failover["phases"])
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+    assert scale(server, 3)["phase"] == "done"

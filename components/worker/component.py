@@ -63,13 +63,16 @@ class Faults(msgspec.Struct, frozen=True):
     `exit_on=<command tag>`, `corrupt_pull`, `stall_on=<command tag>,stall_s=<seconds>` (the
     command is answered that much later: a window for a fault elsewhere, or a missed deadline),
     `stall_mid_pull=<seconds>` (the first pull with READs from several sources holds the later
-    ones back that long once the first is posted: a window to kill a source mid-transfer)."""
+    ones back that long once the first is posted: a window to kill a source mid-transfer),
+    `exit_after_finish` (the rank exits once its first stream's last chunk is out, before the
+    stream closes: the frontend migrates a request that has nothing left to generate)."""
 
     exit_on: str = ""
     corrupt_pull: bool = False
     stall_on: str = ""
     stall_s: float = 0.0
     stall_mid_pull: float = 0.0
+    exit_after_finish: bool = False
 
     @classmethod
     def from_env(cls) -> Faults:

@@ -195,6 +195,13 @@ class RankServer:
         from components.engine.request import RequestError
 
         await self.routable.wait()
+        if (raw.get("stop_conditions") or {}).get("max_tokens") == 0:
+            # Dynamo's frontend refuses max_tokens 0 from a client (400), so this is its migration
+            # of a stream whose rank died after the last token went out but before the stream
+            # closed: it resends with max_tokens less the tokens it got (lib/llm/src/migration.rs)
+            # and nothing is left to generate. Refusing it would fail a request that had completed;
+            # an empty stream ends it with the client's one finish_reason, already sent.
+            return
         if self.outbox is None:
             self.outbox = Outbox(asyncio.get_running_loop())
         post = self.outbox.post
@@ -245,6 +252,10 @@ class RankServer:
                     chunk["completion_usage"] = usage(len(req.prompt) - req.replay, req.replay + len(produced))
                 yield chunk
                 if reason:
+                    if self.faults.exit_after_finish:
+                        await asyncio.sleep(0.2)  # the last chunk goes out, the stream's end never does
+                        log.error("rank %d: injected fault: exiting after finishing %s", self.rank, req.request_id)
+                        os._exit(17)
                     return
         finally:
             self.streams.pop(req.request_id, None)
