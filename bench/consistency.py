@@ -118,7 +118,10 @@ def main() -> None:
     p.add_argument("--phase-s", type=float, default=30.0, help="seconds at each size (default %(default)s)")
     p.add_argument("--prompts", type=int, default=64, help="distinct prompts (default %(default)s)")
     p.add_argument(
-        "--max-prompt", type=int, default=0, help="longest prompt, tokens (default 1024 on CUDA, 512 on CPU)"
+        "--max-prompt",
+        type=int,
+        default=0,
+        help="longest prompt, tokens (default 1024 on CUDA, 512 on CPU; at most the context less --max-tokens)",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens out per request (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="draws the prompts; the sampled ones' seeds (default 0)")
@@ -139,12 +142,16 @@ def main() -> None:
         p.error(f"--sizes must lie in Worker.min_ranks..max_ranks ({worker.min_ranks}..{worker.max_ranks})")
     out = args.out or Path(f"bench/results/consistency_{worker.device}.json")
     model_dir = Path(worker.model) if worker.model else builtin_model_dir()
-    max_prompt = args.max_prompt or (1024 if worker.device == "cuda" else 512)
-    if worker.max_len and max_prompt + args.max_tokens > worker.max_len:
-        p.error(
-            f"--max-prompt + --max-tokens ({max_prompt + args.max_tokens}) exceed Worker.max_len ({worker.max_len})"
-        )
-    prompts, sampling = requests(args.seed, args.prompts, max_prompt, read_config(model_dir / "config.json").vocab_size)
+    model = read_config(model_dir / "config.json")
+    # The model's positions when Worker.max_len is unset (a rank may cap it lower to fit its KV
+    # cache in memory; then the graph refuses the longest prompts and says so).
+    context, context_from = (
+        (worker.max_len, "Worker.max_len") if worker.max_len else (model.max_position_embeddings, "the model's context")
+    )
+    max_prompt = args.max_prompt or min(1024 if worker.device == "cuda" else 512, context - args.max_tokens)
+    if max_prompt < 1 or max_prompt + args.max_tokens > context:
+        p.error(f"--max-prompt + --max-tokens ({max_prompt + args.max_tokens}) exceed {context_from} ({context})")
+    prompts, sampling = requests(args.seed, args.prompts, max_prompt, model.vocab_size)
     # Alone: one request at a time on the graph's rank 0 as the worker configures it (its dtype
     # matters; its batch limits must not, nor its MoE exchange, which follows max_ranks and the
     # GPUs: a difference is then the load's or the scale's, not the configuration's).

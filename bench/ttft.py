@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from harness.server import Server
+from harness.server import Server, sse_data
 
 
 def prompt(n: int, shift: int = 0) -> list[int]:
@@ -49,8 +49,8 @@ def one(client: httpx.Client, model: str, tokens: list[int], max_tokens: int) ->
     with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:]).get("choices"):
+        for data in sse_data(r):
+            if json.loads(data).get("choices"):
                 chunks += 1
                 first = first or time.perf_counter()
     end = time.perf_counter()
