@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -74,8 +73,7 @@ def check_latent_decode(device: str, dtype: torch.dtype, nh: int, lora: int, rop
     lens = torch.tensor(ctx + [1] * (16 - seqs), device=device)
     q = torch.randn(len(lens), nh, lora + rope, device=device).to(dtype)
     scale = 0.7 / (lora + rope) ** 0.5  # not SDPA's default: the kernel takes the family's
-    batch = SimpleNamespace(slots=slots, ctx_lens=lens, kv_len=max_len)
-    want = latent_decode(q.float(), cache.float(), lora, batch, scale)
+    want = latent_decode(q.float(), cache.float(), lora, slots, lens, max_len, scale)
     for s, n in zip(slots.tolist(), lens.tolist()):
         cache[s, n:] = float("nan")
 

@@ -131,7 +131,6 @@ class DecodeGraphs:
             q_lens=[1] * b,
             ctx_lens_list=[],
             slots_list=[],
-            kv_len=self.kv.max_len,
         )
 
     def _segments(self, b: int):

@@ -133,14 +133,13 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
-def latent_decode(query: torch.Tensor, cache: torch.Tensor, lora: int, batch: ForwardBatch, scale: float):
+def latent_decode(query: torch.Tensor, cache: torch.Tensor, lora: int, slots, ctx_lens, kv_len: int, scale: float):
     """Decode attention of query [B, nh, lora + rope] over each row's first kv_len cache rows,
-    masked past its context: a row's heads are the queries of its one latent KV head, so no head
-    copies the keys (they are copied out once a row, fixed shapes, so a graph captures it; the
-    cost is kv_len rows a sequence, whatever its context: the CPU path; CUDA reads in place,
-    decode_attention.latent_decode_attention). Returns [B, nh, lora]."""
-    rows = cache[batch.slots, : batch.kv_len, 0]  # [B, kv_len, lora + rope]
-    mask = (torch.arange(batch.kv_len, device=query.device) < batch.ctx_lens.unsqueeze(1)).unsqueeze(1)
+    masked past its context: a row's heads are the queries of its one latent KV head. The torch
+    form decode_attention.latent_decode_attention is checked against, not the CPU path (its
+    rounding depends on kv_len, the longest row's: layers.Attention). Returns [B, nh, lora]."""
+    rows = cache[slots, :kv_len, 0]  # [B, kv_len, lora + rope]
+    mask = (torch.arange(kv_len, device=query.device) < ctx_lens.unsqueeze(1)).unsqueeze(1)
     return F.scaled_dot_product_attention(query, rows, rows[..., :lora], attn_mask=mask, scale=scale)
 
 
@@ -151,8 +150,10 @@ def latent_prefill(query, cache, lora: int, batch: ForwardBatch, i: int, start: 
     _, nh, dim = query.shape
     rows = cache[slot, :ctx, 0].unsqueeze(0)  # [1, ctx, lora + rope]
     # Token j sits at absolute position ctx - n + j and sees keys up to that position.
-    qpos = torch.arange(ctx - n, ctx, device=query.device).unsqueeze(1).expand(n, nh).reshape(n * nh, 1)
-    mask = (torch.arange(ctx, device=query.device).unsqueeze(0) <= qpos).unsqueeze(0)
+    mask = None  # a decode's one token sees every key (layers.Attention._prefill)
+    if n > 1:
+        qpos = torch.arange(ctx - n, ctx, device=query.device).unsqueeze(1).expand(n, nh).reshape(n * nh, 1)
+        mask = (torch.arange(ctx, device=query.device).unsqueeze(0) <= qpos).unsqueeze(0)
     q = query[start : start + n].reshape(1, n * nh, dim)
     out = F.scaled_dot_product_attention(q, rows, rows[..., :lora], attn_mask=mask, scale=scale)
     return out.view(n, nh, lora)
@@ -202,24 +203,18 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(nh, nope + p.v_head_dim, lora)
         # q_nope through each head's key up-projection: a query in latent space [T, nh, lora].
         q_latent = split_rows(lambda q: torch.bmm(q.transpose(0, 1), w[:, :nope]).transpose(0, 1), q_nope)
-        if batch.decode_only:
-            out = self._decode(q_latent, q_rope, cache, batch)
-        else:
+        scale = p.softmax_scale
+        if batch.decode_only and q_latent.is_cuda:  # reads each row's cache in place up to its own context
+            from components.engine.kernels.decode_attention import latent_decode_attention
+
+            out = latent_decode_attention(q_latent, q_rope, cache, batch.slots, batch.ctx_lens, scale)
+        else:  # a sequence at a time, decodes too, as layers.Attention says why
             query = torch.cat((q_latent, q_rope), dim=-1)
             starts = itertools.accumulate(batch.q_lens[:-1], initial=0)
-            scale = p.softmax_scale
             out = torch.cat([latent_prefill(query, cache, lora, batch, i, s, scale) for i, s in enumerate(starts)])
         # Each head's latent output through its value up-projection: [T, nh, v_head_dim].
         out = split_rows(lambda o: torch.bmm(o.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1), out)
         return self.o_proj(out.reshape(T, nh * p.v_head_dim))
-
-    def _decode(self, q_latent, q_rope, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        scale = self.p.softmax_scale
-        if q_latent.is_cuda:  # reads each row's cache in place up to its own context length
-            from components.engine.kernels.decode_attention import latent_decode_attention
-
-            return latent_decode_attention(q_latent, q_rope, cache, batch.slots, batch.ctx_lens, scale)
-        return latent_decode(torch.cat((q_latent, q_rope), dim=-1), cache, self.p.kv_lora_rank, batch, scale)
 
 
 class Router(nn.Module):

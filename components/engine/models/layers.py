@@ -100,7 +100,6 @@ class StepRows(NamedTuple):
             q_lens=self.q_lens,
             ctx_lens_list=self.ctx_lens,
             slots_list=self.slots,
-            kv_len=max(self.ctx_lens),
         )
 
 
@@ -120,7 +119,6 @@ class ForwardBatch:
     q_lens: list[int]
     ctx_lens_list: list[int]
     slots_list: list[int]  # `slots` on the host: prefill slices by it without a device sync
-    kv_len: int  # keys a CPU decode reads per sequence: max context here, the whole cache under a graph
 
     @property
     def decode_only(self) -> bool:
@@ -198,8 +196,8 @@ class Rotary(nn.Module):
 
 def gathered_decode(q, kc, vc, slots: torch.Tensor, ctx_lens: torch.Tensor, kv_len: int) -> torch.Tensor:
     """Decode attention of q [B, nh, hd] over the first kv_len positions of each row's cache slot,
-    copied out, with a length mask: fixed shapes, so a graph can capture it, but every row copies
-    kv_len positions whatever its context (the CUDA path reads in place: decode_attention.py)."""
+    copied out, with a length mask: the torch form decode_attention.py's kernel is checked and
+    timed against. Not the CPU path: its rounding depends on kv_len and on the row count."""
     keys = kc[slots, :kv_len].transpose(1, 2)
     vals = vc[slots, :kv_len].transpose(1, 2)
     mask = (torch.arange(kv_len, device=q.device) < ctx_lens.unsqueeze(1))[:, None, None, :]
@@ -238,19 +236,18 @@ class Attention(nn.Module):
             q = self.rotary(q, batch.positions)
             kc[batch.token_slots, batch.positions] = self.rotary(k, batch.positions)
             vc[batch.token_slots, batch.positions] = v
-        if batch.decode_only:
-            out = self._decode(q, kc, vc, batch)
+        if batch.decode_only and q.is_cuda:  # reads each row's cache in place up to its own context
+            from components.engine.kernels.decode_attention import decode_attention
+
+            out = decode_attention(q, kc, vc, batch.slots, batch.ctx_lens)
         else:
+            # A sequence at a time over its own context, decodes too: on the CPU, SDPA's rounding
+            # of a row over keys padded to the step's longest context (gathered_decode) depends
+            # on that length and, in fp32, on the row count, so on the other rows of the step
+            # (bf16 completions changed with the load: tests/test_mixed_steps.py).
             starts = itertools.accumulate(batch.q_lens[:-1], initial=0)
             out = torch.cat([self._prefill(q, kc, vc, batch, i, s) for i, s in enumerate(starts)])
         return self.o_proj(out.reshape(T, self.nh * self.hd))
-
-    def _decode(self, q, kc, vc, batch: ForwardBatch) -> torch.Tensor:
-        if q.is_cuda:  # reads each row's cache in place up to its own context length
-            from components.engine.kernels.decode_attention import decode_attention
-
-            return decode_attention(q, kc, vc, batch.slots, batch.ctx_lens)
-        return gathered_decode(q, kc, vc, batch.slots, batch.ctx_lens, batch.kv_len)
 
     def _prefill(self, q, kc, vc, batch: ForwardBatch, i: int, start: int) -> torch.Tensor:
         """Sequence i, whose tokens start at `start` in the batch (they are laid out in order)."""
@@ -258,9 +255,12 @@ class Attention(nn.Module):
         qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
         keys = kc[slot, :ctx].transpose(0, 1).unsqueeze(0)
         vals = vc[slot, :ctx].transpose(0, 1).unsqueeze(0)
-        # Query j sits at absolute position ctx - n + j and sees keys up to that position.
-        qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
+        # Query j sits at absolute position ctx - n + j and sees keys up to that position (a
+        # decode's one query sees them all: no mask to build, half the cost of a CPU decode).
+        mask = None
+        if n > 1:
+            qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
         out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
 
