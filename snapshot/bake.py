@@ -388,6 +388,19 @@ def bake(
         batch_invariant=batch_invariant,
         **extra,
     )
+    if cuda_image:
+        import torch
+
+        from components.engine.rank import ep_transport, mps_running
+
+        if ep_transport(cfg, torch.device(device)) == "window":
+            # Refused here, before the model loads: the driver's checkpoint holds no MPS client and
+            # no CUDA IPC memory, and the window exchange's peer windows are that memory.
+            why = "MPS is running" if mps_running() else f"max_ranks {max_ranks} fit {torch.cuda.device_count()} GPUs"
+            raise SnapshotError(
+                f"the criu tier on CUDA needs the NIXL EP transport, and this deployment's ranks would exchange "
+                f"through peer windows ({why}): joiners start cold, or are parked"
+            )
 
     bar = tqdm(
         total=3,
