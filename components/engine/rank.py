@@ -185,6 +185,15 @@ def ep_communicator(cfg: RankConfig, device: torch.device, mc, dtype: torch.dtyp
     exchange through same-node peer windows too."""
     host = nixl_comm(cfg.rank, cfg.max_ranks, capacity_bytes, cfg.ep_timeout_s)
     if ep_transport(cfg, device) != "window":
+        if device.type == "cuda" and cfg.ep_transport == "auto":
+            log.warning(
+                "rank %d: the MoE exchange is host-driven NIXL (max_ranks %d on %d GPUs, no MPS daemon): steps "
+                "are slower even at one rank; start MPS (nvidia-cuda-mps-control -d) for the exchange inside "
+                "the decode graph, or set Worker.ep_transport=nixl to say this is meant",
+                cfg.rank,
+                cfg.max_ranks,
+                torch.cuda.device_count(),
+            )
         return host
     from components.engine.exchange.windows import PeerWindows, WindowCommunicator
     from components.engine.weights.same_node import node_id
