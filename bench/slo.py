@@ -25,7 +25,11 @@ The defaults are this 2-core VM's (bench/results/slo_cpu.json): one rank at 4 ->
 misses a 1 s SLO near the end. A second EP rank there adds a process, not a core, so its steps
 are slower, not its capacity larger: the CPU run shows the restart's gap and elastic growing
 without a failed request, not elastic holding the SLO; that takes a GPU (or a core) per rank.
-    .venv/bin/python -m bench.slo --device cuda --model DIR --start 1 --grow 1 --rate 40 ...
+On one H200 (bench/results/slo_h200.json; two ranks side by side under MPS, joiners cold: a CUDA
+snapshot cannot be restored under MPS), sized from one rank's 17.3 requests/s at this shape
+(bench.serve --max-seqs 4 --concurrency 4 --isl 256 --osl 128):
+    python -m bench.slo --device cuda --model DIR --dtype bfloat16 --max-seqs 4 --max-len 2048 --rate 9.5 \
+        --isl 256 --osl 128 --slo-s 0.5 --no-snapshot
 """
 
 from __future__ import annotations
