@@ -59,7 +59,7 @@ def main() -> None:
             for i, (slot, ctx) in enumerate(zip(*host(batch))):
                 seq = by_slot[slot]
                 if ctx == len(seq.tokens) + seq.pending:  # it draws a token not yet known
-                    row = i if decodes is None else eng.graphs.row(i, decodes)
+                    row = eng.graphs.logits_row(i, decodes) if decodes is not None else i
                     logits.setdefault(seq.req.request_id, []).append(out[row].tolist())
             return out
 

@@ -207,11 +207,31 @@ def test_latent_rotary_cache_write_matches_torch_bitwise(dtype, interleave):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_experts_and_their_grouping_on_cuda(dtype):
-    from components.engine.kernels.expert_gemm import Tiles
+    from components.engine.kernels.expert_gemm import PROMPT_TILES
 
     check_experts("cuda", dtype)
-    check_experts("cuda", dtype, Tiles(128, 128, 64, warps=8))  # a prompt-sized tiling, as bench.experts tries
+    check_experts("cuda", dtype, PROMPT_TILES)
     check_group_rows("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_tilings_give_a_row_the_same_bits(dtype):
+    """Decode steps run TILES and steps with prompt rows PROMPT_TILES, so a decode row's bits
+    must not depend on which it ran in: every tiling bench.experts tries gives every row the same
+    bits as TILES, at Mixtral's expert shape and thousands of rows. (Not under the interpreter:
+    there a dot's rounding follows the K step; on the GPU each element is one sum in K order.)"""
+    from components.engine.kernels.expert_gemm import PROMPT_TILES, TILES, Tiles, swiglu_experts
+
+    torch.manual_seed(0)
+    S, H, I = 8, 4096, 14336
+    wg, wu = (torch.randn(S, I, H, device="cuda").to(dtype) * 0.02 for _ in range(2))
+    wd = torch.randn(S, H, I, device="cuda").to(dtype) * 0.02
+    local = torch.randint(-1, S, (4160,), dtype=torch.int32, device="cuda")
+    x = torch.randn(len(local), H, device="cuda").to(dtype)
+    want = swiglu_experts(x, local, wg, wu, wd, tiles=TILES)
+    for tiles in (PROMPT_TILES, Tiles(64, 64, 64), Tiles(128, 64, 128, 8), Tiles(64, 128, 64, 4, 4)):
+        assert torch.equal(swiglu_experts(x, local, wg, wu, wd, tiles=tiles), want), tiles
 
 
 @pytest.mark.gpu

@@ -36,11 +36,13 @@ host: the segments and the exchanges between them are captured as one graph per 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 from torch import nn
 
+from components.engine.kernels.expert_gemm import PROMPT_TILES, TILES, expert_tiles
 from components.engine.models.layers import ForwardBatch, KVCache, SplitLinear, StepRows, rows_split_at, with_pending
 from components.engine.models.moe import Dispatch
 from components.engine.sampler import SampleParams, sample
@@ -68,13 +70,14 @@ class DecodeGraphs:
         # padding (0), and -1 or the row of `drawn` that holds the id (StepRows.src). One copy
         # from pinned memory fills them: a tensor per field would cost a host->device copy each,
         # and host work is the part of a step a graph cannot hide. Each capture starts them as
-        # padding (`_capture`).
-        self.inputs = torch.zeros(6, B, dtype=torch.int64, device=dev)
-        self.ids, self.pos, self.slots, self.ctx, self.real, self.src = self.inputs
+        # padding (`_capture`). A seventh row holds, in its first columns, the mixed graph's rows
+        # whose logits a step wants besides the decodes' (`heads`).
+        self.inputs = torch.zeros(7, B, dtype=torch.int64, device=dev)
+        self.ids, self.pos, self.slots, self.ctx, self.real, self.src, self.heads = self.inputs
         # The tokens the step before drew, for rows whose id it was still drawing when queued.
         self.drawn = torch.zeros(B, dtype=torch.int64, device=dev)
         # Padding rows attend over the one scratch token and are never dispatched.
-        self.padding = np.array([[0], [0], [scratch_slot], [1], [0], [-1]], dtype=np.int64)
+        self.padding = np.array([[0], [0], [scratch_slot], [1], [0], [-1], [0]], dtype=np.int64)
         # Every row past a step's batch stays padding: a larger graph's capture runs over all its
         # rows, and zeros there (KV slot 0, no context) would write a live sequence's first token
         # and attend over nothing. Two buffers, steps taking turns: a step is staged while the
@@ -82,7 +85,7 @@ class DecodeGraphs:
         self.staging = [torch.from_numpy(np.repeat(self.padding, B, axis=1)).pin_memory() for _ in range(2)]
         self._staged = [torch.cuda.Event() for _ in range(2)]  # each buffer read by its last copy
         self.valid = torch.zeros(B, dtype=torch.bool, device=dev)  # `real`, as the dispatch takes it
-        self.greedy = torch.zeros(B, dtype=torch.int64, device=dev)  # each row's argmax token
+        self.greedy = torch.zeros(max(B, 2 * split), dtype=torch.int64, device=dev)  # each logits row's argmax
         blocks = list(model.model.layers)
         self.cuts = [i for i, b in enumerate(blocks) if b.moe is not None]
         self.moes = [blocks[i].moe for i in self.cuts]
@@ -91,7 +94,14 @@ class DecodeGraphs:
         self.h = [torch.zeros(B, H, dtype=dtype, device=dev) for _ in self.cuts]
         self.n = [torch.zeros(B, H, dtype=dtype, device=dev) for _ in self.cuts]
         self.y = [torch.zeros(B * m.top_k, H, dtype=dtype, device=dev) for m in self.moes]
-        self.logits = torch.zeros(B, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        # A mixed graph computes logits for its decode rows and for the last row of each prompt
+        # piece only, gathered behind them (`heads`): the rest of a piece draws nothing, and the
+        # lm_head over every prompt row was a fifth of a prompt's FLOPs (Mixtral's 32k vocabulary;
+        # DeepSeek's 129k more than its experts'). Each prompt piece belongs to a sequence of its
+        # own, so there are at most `split` of them, and the gathered rows meet the lm_head as one
+        # GEMM of `split` rows whatever the step holds.
+        self.logit_rows = 2 * split if split and self.sizes[-1] > split else B
+        self.logits = torch.zeros(max(B, self.logit_rows), model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         # Each segment's dispatch layout, by batch size: tensors a graph wrote during capture live
         # at fixed addresses in its pool, so the eager exchange and the next segment read them.
@@ -103,6 +113,7 @@ class DecodeGraphs:
         # for each stream it ever ran on, for the life of the process (and of a snapshot image).
         self._warmup_stream = torch.cuda.Stream()
         self._last = 0  # the size of the graph the last step ran
+        self._heads: dict[int, int] = {}  # the last mixed step's piece ends: step row -> logits row
         # Decode steps with sampled rows draw in a graph of their own per size, captured at its
         # first use (it reads the logits and these parameters, all at fixed addresses): the
         # draw's twenty-odd kernels (scale, sort, softmax, cumsum, noise) in one launch. Rows:
@@ -162,8 +173,12 @@ class DecodeGraphs:
                         layouts[k] = blocks[i].moe.dispatch(self.n[k][:b], self.valid[:b])
                         return
                     x, x_normed = norm_of(i + 1).add_and_norm(blocks[i].ffn(n), h)
-                self.logits[:b].copy_(m.lm_head(x_normed).float())
-                torch.argmax(self.logits[:b], dim=-1, out=self.greedy[:b])
+                rows = b
+                if self.split and b > self.split:
+                    x_normed = torch.cat((x_normed[: self.split], x_normed.index_select(0, self.heads[: self.split])))
+                    rows = 2 * self.split
+                self.logits[:rows].copy_(m.lm_head(x_normed).float())
+                torch.argmax(self.logits[:rows], dim=-1, out=self.greedy[:rows])
 
             return run
 
@@ -203,8 +218,16 @@ class DecodeGraphs:
         self.graphs[b] = graphs
         self.captures += 1
 
+    @contextmanager
     def _split(self, b: int):
-        return rows_split_at(self.split, self.piece) if b > self.split else rows_split_at(0)
+        """How the graph of `b` rows computes: a mixed graph's dense projections split (above),
+        its experts in the tiling for prompt rows; a decode graph's as one GEMM and the decode
+        tiling."""
+        mixed = self.split and b > self.split
+        top_k = self.moes[0].top_k if self.moes else 1
+        with rows_split_at(*((self.split, self.piece) if mixed else (0,))):
+            with expert_tiles(*((PROMPT_TILES, b * top_k) if mixed else (TILES,))):
+                yield
 
     def recapture(self) -> None:
         """Capture every size again (what a design without graph reuse pays on each scale)."""
@@ -221,12 +244,15 @@ class DecodeGraphs:
             return rows.decode_only and len(rows.q_lens) <= self.sizes[-1]
         return bool(self.split) and decodes <= self.split and len(rows.ids) - decodes <= self.sizes[-1] - self.split
 
-    def run(self, rows: StepRows, drawn: torch.Tensor | None = None, decodes: int | None = None) -> torch.Tensor:
+    def run(
+        self, rows: StepRows, drawn: torch.Tensor | None = None, decodes: int | None = None, heads: list[int] = ()
+    ) -> torch.Tensor:
         """Queue the step of `rows` (decode rows; or, with `decodes`, that many decode rows and
-        prompt pieces one token a row behind them, in the mixed graph); returns its logits, and
-        `greedy` holds each row's argmax, both valid once the stream gets there, a row each of
-        the graph (`row` maps the step's rows there). `drawn`: the draws of the step before,
-        where rows with a `src` read their ids."""
+        prompt pieces one token a row behind them, in the mixed graph, `heads` the step's rows
+        that end a piece); returns its logits, and `greedy` holds each logits row's argmax, both
+        valid once the stream gets there: a row each of a decode graph; in a mixed graph the
+        decode rows, then the `heads` (`logits_row` maps the step's rows there). `drawn`: the
+        draws of the step before, where rows with a `src` read their ids."""
         real = len(rows.ids)
         if decodes is None:
             b = next(s for s in self.sizes if s >= real)
@@ -240,11 +266,14 @@ class DecodeGraphs:
         src = rows.src if rows.src is not None else [-1] * real
         fields = (rows.ids, rows.positions, rows.token_slots, rows.ctx_lens, [1] * real, src)
         if decodes is None:
-            host[:, :real] = fields
+            host[:6, :real] = fields
             host[:, real:b] = self.padding
         else:
+            assert len(heads) <= self.split, (len(heads), self.split)
             host[:, :b] = self.padding
-            host[:, [self.row(i, decodes) for i in range(real)]] = fields
+            host[:6, [self.row(i, decodes) for i in range(real)]] = fields
+            host[6, : len(heads)] = [self.row(i, decodes) for i in heads]
+            self._heads = {i: self.split + j for j, i in enumerate(heads)}
         self.inputs.copy_(self.staging[turn], non_blocking=True)
         self._staged[turn].record()
         if rows.reads_pending:
@@ -256,15 +285,21 @@ class DecodeGraphs:
         if len(graphs) == 1:  # the exchanges are inside
             graphs[0].replay()
         else:
-            for k, moe in enumerate(self.moes):
-                graphs[k].replay()
-                moe.exchange(layouts[k], self.y[k][: b * moe.top_k])
+            with self._split(b):  # the experts run in the exchange, eagerly: as if captured
+                for k, moe in enumerate(self.moes):
+                    graphs[k].replay()
+                    moe.exchange(layouts[k], self.y[k][: b * moe.top_k])
             graphs[-1].replay()
-        return self.logits[:real] if decodes is None else self.logits[:b]
+        return self.logits[:real] if decodes is None else self.logits[: self.logit_rows]
 
     def row(self, i: int, decodes: int) -> int:
         """The mixed graph's row of a step's row i, its first `decodes` rows decodes."""
         return i if i < decodes else self.split + i - decodes
+
+    def logits_row(self, i: int, decodes: int | None) -> int:
+        """The logits row of the last step's row i: its own in a decode graph; in a mixed graph
+        (`decodes`) a decode's own, a piece's last row where `run` gathered it."""
+        return i if decodes is None or i < decodes else self._heads[i]
 
     def sample(self, params: SampleParams) -> torch.Tensor:
         """Draw a token for each decode row of the step just queued (`run`), with `params` a row

@@ -573,15 +573,21 @@ class EngineRank:
         host's work for a step (schedule, inputs, launch, reading ids, emitting tokens) runs while
         the device computes the previous one, and rows needing a token still being drawn read it
         on the device. Whatever stops stepping (a pause, nobody busy) completes it first."""
-        header = torch.tensor([int(has_work), int(self._pause_wanted)], dtype=torch.int64)
-        raw = header.view(torch.uint8)
-        heads = self.comm.all_to_all({r: raw for r in self.comm.active})
-        flags = torch.stack([h.view(torch.int64) for h in heads.values()])
-        if bool(flags[:, 1].any()):
+        if len(self.comm.active) == 1:
+            # Nobody to agree with: the header is this rank's own, without the collective's dozen
+            # small tensor ops, each of which hands the GIL to the serving loop and waits to get
+            # it back (up to the switch interval) while that loop streams the step's tokens.
+            wants_pause, self._peers_busy = self._pause_wanted, has_work
+        else:
+            header = torch.tensor([int(has_work), int(self._pause_wanted)], dtype=torch.int64)
+            raw = header.view(torch.uint8)
+            heads = self.comm.all_to_all({r: raw for r in self.comm.active})
+            flags = torch.stack([h.view(torch.int64) for h in heads.values()])
+            wants_pause, self._peers_busy = bool(flags[:, 1].any()), bool(flags[:, 0].any())
+        if wants_pause:
             self._complete()
             self._enter_pause()
             return
-        self._peers_busy = bool(flags[:, 0].any())
         if not self._peers_busy:
             self._complete()
             return
@@ -642,9 +648,9 @@ class EngineRank:
         of max_seqs rows), each prompt piece at its last token, a row alone: no draw depends on
         what shares the step."""
         graphs = self.graphs
-        logits = graphs.run(step, drawn, decodes)
-        ends = list(itertools.accumulate(n for _, n in work[decodes:]))
-        last = [graphs.row(decodes + e - 1, decodes) for e in ends]
+        heads = [decodes + e - 1 for e in itertools.accumulate(n for _, n in work[decodes:])]
+        logits = graphs.run(step, drawn, decodes, heads)
+        last = [graphs.logits_row(i, decodes) for i in heads]
         if params is None:
             at = torch.tensor([*range(decodes), *last], dtype=torch.int64).to(self.device, non_blocking=True)
             return graphs.greedy.index_select(0, at)

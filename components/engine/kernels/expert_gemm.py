@@ -25,13 +25,19 @@ group is the rows' own and nothing is atomic. One program scanning the rows once
 67 us a layer at 32 slots (DeepSeek-shaped, H200), growing with the slots and the rows. It also
 counts each group's blocks, for the block table.
 
-A row's result depends on that row alone (the reduction over K runs in fixed tiles, with no
-split across programs), so an expert's output does not change with the batch it came in.
+A row's result depends on that row alone (the reduction over K runs in order, with no split
+across programs), so an expert's output does not change with the batch it came in. Nor does it
+change with the tiling: each output element is one thread's fp32 sum over K in the same order
+whatever the rows, columns and K step of a tile (tests/test_triton_kernels.py holds every
+tiling here to the same bits), so steps with prompt rows run a tiling made for hundreds of rows a
+slot (`PROMPT_TILES`, under `expert_tiles`) and decode steps one made for a few (`TILES`).
 Nothing syncs with the host: the row count can be a fixed capacity, and a graph captures it.
 """
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -57,6 +63,23 @@ class Tiles(NamedTuple):
 # 4096 rows take 4.9 ms against grouped_mm's 2.7 and a compute floor near 1.9: a larger tiling
 # would serve prompts better if it keeps decode at the floor, which bench.experts --tiles shows.
 TILES = Tiles(64, 64, 128)
+# Steps with prompt rows: at 4160 rows (2048 prompt tokens and 32 decodes, top-2) on an H100, 3.4
+# ms against TILES' 5.8 and torch._grouped_mm's 3.0, the floor 1.85 (bench.experts); at 64 rows
+# 1.05 ms against 0.98, so decode steps keep TILES.
+PROMPT_TILES = Tiles(128, 128, 64, 8, 4)
+
+_chosen = threading.local()
+
+
+@contextmanager
+def expert_tiles(tiles: Tiles, rows: int = 0):
+    """Inside: `swiglu_experts` runs `tiles`, its grid sized for `rows` rows computed (0: a
+    decode step's few blocks a slot). A graph captures what it launched inside."""
+    _chosen.tiles, _chosen.rows = tiles, rows
+    try:
+        yield
+    finally:
+        _chosen.tiles, _chosen.rows = TILES, 0
 
 
 @triton.jit
@@ -205,19 +228,21 @@ def swiglu_experts(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     count: torch.Tensor | None = None,
-    tiles: Tiles = TILES,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Row i through the expert in slot local[i] ([S, I, H] gate and up, [S, H, I] down weights);
     a row whose slot is outside 0..S-1 (-1: padding) comes back zero. `count` gains the number of
-    rows with a slot."""
+    rows with a slot. `tiles`: the tiling, else `expert_tiles`'s choice."""
     M, H = x.shape
     S, I, _ = w_gate.shape
-    t = tiles
+    t = tiles or getattr(_chosen, "tiles", TILES)
+    expected = getattr(_chosen, "rows", 0) if tiles is None else 0
     rows, ends, blocks = group_rows(local, S, count, t.m)
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 stays fp32 (no TF32)
     # Decode fills at most one block per slot (under t.m rows each), so it runs in one pass; a
-    # prompt chunk's blocks take a few.
-    grid = min(triton.cdiv(M, t.m) + min(S, M), 2 * S + 16)
+    # step's prompt rows fill a block row of the grid once (`expected`): a grid of fewer programs
+    # ran their blocks in two rounds, the second mostly idle.
+    grid = min(triton.cdiv(M, t.m) + min(S, M), max(2 * S + 16, triton.cdiv(expected, t.m) + S))
     launch = dict(
         BLOCK_M=t.m, BLOCK_N=t.n, BLOCK_K=t.k, BLOCK_S=triton.next_power_of_2(S), num_warps=t.warps, num_stages=t.stages
     )
