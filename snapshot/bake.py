@@ -41,7 +41,7 @@ DEFAULTS: dict[str, Any] = dict(
     min_ranks=1,
     max_seqs=16,
     max_len=0,
-    max_batched_tokens=256,
+    max_batched_tokens=0,
     batch_invariant=True,
 )
 ENGINE_FILE = "engine.json"
@@ -91,9 +91,10 @@ def _graph_sizes(cfg) -> list[int]:
 
 def rank_config(device: str = "cpu", **fields):
     """A RankConfig for rank 0 with the worker's defaults, `fields` overriding them."""
-    from components.engine.rank import RankConfig
+    from components.engine.rank import RankConfig, batched_tokens
 
     kw = {**DEFAULTS, **{k: v for k, v in fields.items() if v is not None}, "device": device}
+    kw["max_batched_tokens"] = batched_tokens(kw["max_batched_tokens"], device)
     return RankConfig(rank=0, **kw)
 
 
@@ -337,6 +338,9 @@ def bake(
         raise ValueError(f"tier must be artifacts or criu, not {tier!r}")
     if device == "cuda":
         device = "cuda:0"
+    from components.engine.rank import batched_tokens
+
+    max_batched_tokens = batched_tokens(max_batched_tokens, device)
     if not 1 <= min_ranks <= max_ranks:
         raise ValueError(f"min_ranks ({min_ranks}) must be in 1..max_ranks ({max_ranks})")
     if cuda_graph_sizes and not device.startswith("cuda"):

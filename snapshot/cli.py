@@ -339,9 +339,9 @@ def parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--max-batched-tokens",
-        type=_int_in(1, MAX_BATCHED_TOKENS),
+        type=_int_in(0, MAX_BATCHED_TOKENS),
         default=DEFAULTS["max_batched_tokens"],
-        help="default: %(default)s",
+        help="prompt tokens a step computes; 0 = the device's default, 2048 on CUDA, 256 on the CPU (default: 0)",
     )
     b.add_argument(
         "--redundant-experts",

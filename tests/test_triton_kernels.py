@@ -210,12 +210,13 @@ def test_experts_and_their_grouping_on_cuda(dtype):
     from components.engine.kernels.expert_gemm import PROMPT_TILES
 
     check_experts("cuda", dtype)
-    check_experts("cuda", dtype, PROMPT_TILES)
+    if dtype != torch.float32:  # fp32 serves in TILES: PROMPT_TILES' fp32 stages overflow shared memory
+        check_experts("cuda", dtype, PROMPT_TILES)
     check_group_rows("cuda")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_expert_tilings_give_a_row_the_same_bits(dtype):
     """Decode steps run TILES and steps with prompt rows PROMPT_TILES, so a decode row's bits
     must not depend on which it ran in: every tiling bench.experts tries gives every row the same

@@ -109,6 +109,13 @@ def context_length(requested: int, mc, max_seqs: int, dtype: torch.dtype, device
     return length
 
 
+def batched_tokens(given: int, device: str) -> int:
+    """Worker.max_batched_tokens as a rank runs it: 0 takes the device's default, 2048 on CUDA (a
+    H200 prefills at tensor-core rate from about that many tokens a step), 256 on the CPU (where a
+    step's time, and so every decode's, grows with its tokens)."""
+    return given or (2048 if device.startswith("cuda") else 256)
+
+
 def prompt_piece(cfg: RankConfig) -> int:
     return min(cfg.prompt_piece, cfg.max_batched_tokens)
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
+
+import uvloop
 
 from components.worker.process import LOG_FORMAT, baked, serve
 
@@ -29,7 +30,12 @@ def main() -> None:
         # default 5 ms switch interval the serving loop, busy streaming a step's tokens, can make
         # it wait that long each time, several times a step of under 2 ms.
         sys.setswitchinterval(2e-4)
-        asyncio.run(serve(args.rank, args.join))
+        # The serving loop streams every running sequence's token each step, a wake-up and a
+        # Dynamo item per stream; asyncio's loop runs that in Python under the GIL the step thread
+        # needs, libuv's in C (as Dynamo's own workers run it). One rank, 32 streaming clients
+        # (H100, 5.4 GiB Mixtral-shaped bf16): decode-only 6.9k -> 12.5k tok/s, ITL p50 4.5 ->
+        # 2.4 ms; 512-token prompts, 64 out: 6.1k -> 8.8k tok/s.
+        uvloop.run(serve(args.rank, args.join))
 
 
 if __name__ == "__main__":

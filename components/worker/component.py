@@ -86,16 +86,17 @@ class Faults(msgspec.Struct, frozen=True):
 
 def rank_config(c: Worker.Config, rank: int):
     """The engine configuration of rank `rank` under this worker configuration."""
-    from components.engine.rank import RankConfig, rank_device
+    from components.engine.rank import RankConfig, batched_tokens, rank_device
 
+    device = rank_device(c.device, rank)
     return RankConfig(
         rank=rank,
         max_ranks=c.max_ranks,
-        device=rank_device(c.device, rank),
+        device=device,
         dtype=c.dtype,
         max_seqs=c.max_seqs,
         max_len=c.max_len,
-        max_batched_tokens=c.max_batched_tokens,
+        max_batched_tokens=batched_tokens(c.max_batched_tokens, device),
         batch_invariant=c.batch_invariant,
         min_ranks=c.min_ranks,
         redundant_experts=c.redundant_experts,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import uvloop
 
 from components.graph.component import (
     EXIT_CANNOT_START,
@@ -211,4 +212,4 @@ def baked(spec_path: str) -> None:
     if join_restorer_network():
         log.info("[op %s] rank %d: joined the restorer's network namespace", who.env.get(OP_ENV, "-"), who.rank)
     server.restored(who)
-    asyncio.run(serve(who.rank, True, server))
+    uvloop.run(serve(who.rank, True, server))

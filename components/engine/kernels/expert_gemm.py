@@ -236,6 +236,8 @@ def swiglu_experts(
     M, H = x.shape
     S, I, _ = w_gate.shape
     t = tiles or getattr(_chosen, "tiles", TILES)
+    if tiles is None and x.element_size() > 2:  # fp32 tiles of PROMPT_TILES' shape overflow shared memory
+        t = TILES
     expected = getattr(_chosen, "rows", 0) if tiles is None else 0
     rows, ends, blocks = group_rows(local, S, count, t.m)
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 stays fp32 (no TF32)
