@@ -79,7 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from components.engine.kernels.expert_gemm import PROMPT_TILES, TILES, swiglu_experts
+    from components.engine.kernels.expert_gemm import PROMPT_TILES, TILES, expert_tiles, swiglu_experts
+
+    def run(x, key, t, n):
+        """The kernels in tiling t with the grid the engine gives it: a decode step's for TILES,
+        a step of n rows' for a tiling of prompt steps."""
+        with expert_tiles(t, 0 if t == TILES else n):
+            return swiglu_experts(x, key, wg, wu, wd)
 
     torch.manual_seed(0)
     S, H, I, dt = args.slots, args.hidden, args.ffn, torch.bfloat16
@@ -117,14 +123,14 @@ def main(argv=None) -> int:
         row = {"rows": n, "capacity": m, "floor_ms": floor_ms, "weight_floor_ms": weight_ms}
         want = all_experts(x[:n], key[:n]).float()
         row["triton"] = []
-        engine = swiglu_experts(x, key, wg, wu, wd, tiles=TILES)[:n]
+        engine = run(x, key, TILES, n)[:n]
         for t in tilings:
             try:
-                got = swiglu_experts(x, key, wg, wu, wd, tiles=t)[:n]
+                got = run(x, key, t, n)[:n]
             except triton.runtime.errors.OutOfResources as e:  # a tiling this GPU cannot hold
                 row["triton"].append({"tiles": t._asdict(), "ms": None, "error": str(e)})
                 continue
-            ms = graph_ms(lambda t=t: swiglu_experts(x, key, wg, wu, wd, tiles=t), args.replays)
+            ms = graph_ms(lambda t=t: run(x, key, t, n), args.replays)
             err = ((got.float() - want).abs().max() / want.abs().max()).item()
             # Whether a row's bits are the engine's tiling's: a tiling that keeps them can serve
             # some steps without a row's result changing with the step it ran in.
