@@ -130,6 +130,14 @@ def _fake_windows(rank: int, capacity: int, dtype: torch.dtype):
     return w
 
 
+def _prompt_step(call: Callable[[], object], rows: int) -> object:
+    """`call` as a step with prompt rows makes it: the experts in the tiling for such steps."""
+    from components.engine.kernels.expert_gemm import PROMPT_TILES, expert_tiles
+
+    with expert_tiles(PROMPT_TILES, rows):
+        return call()
+
+
 def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
     """(where, the wrapper call) of each way the engine launches its kernels for dtype `dt`. Run each
     call before drawing the next: the calls close over the loop variables."""
@@ -190,6 +198,13 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
             yield (
                 f"swiglu_experts {at} slots={S}",
                 lambda: swiglu_experts(t(B * TOP_K, HIDDEN), i32(B * TOP_K), w_gate, w_up, w_down, i64(1)),
+            )
+            yield (  # a step with prompt rows: its own tiling (fp32 keeps the decode one)
+                f"swiglu_experts {at} slots={S} prompt tiles",
+                lambda: _prompt_step(
+                    lambda: swiglu_experts(t(B * TOP_K, HIDDEN), i32(B * TOP_K), w_gate, w_up, w_down, i64(1)),
+                    B * TOP_K,
+                ),
             )
             for graph in (False, True):  # a decode graph's valid rows, with the windows' misrouted count
                 valid, misrouted = (flags(B), (i64(1), i64(1))) if graph else (None, None)
