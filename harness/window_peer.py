@@ -17,9 +17,11 @@ import msgspec
 import torch
 
 
-def experts(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """A stand-in for the experts with an exact expectation: row * (slot + 1), zeros for slot -1."""
-    return torch.where((slots >= 0).unsqueeze(1), x * (slots + 1).to(x.dtype).unsqueeze(1), 0)
+def experts(x: torch.Tensor, slots: torch.Tensor, zero_unrouted: bool = True) -> torch.Tensor:
+    """A stand-in for the experts with an exact expectation: row * (slot + 1); for slot -1 zeros,
+    or NaN where the exchange says it reads no such row (a row it read would show)."""
+    rest = 0.0 if zero_unrouted else float("nan")
+    return torch.where((slots >= 0).unsqueeze(1), x * (slots + 1).to(x.dtype).unsqueeze(1), rest)
 
 
 def make_step(rank: int, ranks: list[int], step: int, rows: int, hidden: int, slots: int, dtype, dev):

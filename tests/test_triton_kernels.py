@@ -58,6 +58,35 @@ def check_decode_attention(device: str, dtype: torch.dtype, nh: int, nkv: int, h
     assert torch.equal(last, got[seqs - 2 :])
 
 
+def check_prompt_rows(device: str, dtype: torch.dtype, nh: int, nkv: int, hd: int) -> None:
+    """A mixed step's rows: decodes alone, then prompt pieces a token a row (a row's context ending
+    at itself) and padding, several rows to a program. Against SDPA; every row bitwise the same as
+    alone, whichever rows share its program (packs from row 3, from row 0, from row 1); every
+    cache position past what a piece's rows may read is NaN."""
+    from components.engine.kernels.decode_attention import BLOCK_N, decode_attention
+
+    torch.manual_seed(0)
+    max_len, scratch = 2 * BLOCK_N + 40, 5
+    decodes = [(0, BLOCK_N + 1), (1, 1), (2, 2 * BLOCK_N)]
+    pieces = [(3, BLOCK_N - 5, BLOCK_N + 30), (4, 0, 7), (0, BLOCK_N + 1, BLOCK_N + 3)]  # slot, first, end
+    rows = decodes + [(s, p + 1) for s, a, b in pieces for p in range(a, b)] + [(scratch, 1)] * 5
+    slots = torch.tensor([s for s, _ in rows], device=device)
+    lens = torch.tensor([n for _, n in rows], device=device)
+    kc, vc = (torch.randn(scratch + 1, max_len, nkv, hd, device=device).to(dtype) for _ in range(2))
+    q = torch.randn(len(rows), nh, hd, device=device).to(dtype)
+    want = attention_reference(q, kc, vc, slots, lens)
+    for c in (kc, vc):
+        for s in range(scratch + 1):
+            c[s, max(n for t, n in rows if t == s) :] = float("nan")
+    got = decode_attention(q, kc, vc, slots, lens, alone=len(decodes))
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    for i in range(len(rows)):
+        alone = decode_attention(q[i : i + 1], kc, vc, slots[i : i + 1], lens[i : i + 1])
+        assert torch.equal(alone[0], got[i]), f"row {i} {rows[i]} differs in a program with others"
+    for at in (0, 1):
+        assert torch.equal(decode_attention(q, kc, vc, slots, lens, alone=at), got), at
+
+
 def check_latent_decode(device: str, dtype: torch.dtype, nh: int, lora: int, rope: int, max_len: int) -> None:
     """MLA's decode against the torch form it replaces on CUDA (deepseek_v3.latent_decode, in
     fp32), as check_decode_attention: contexts around the block size, NaN past each context,
@@ -190,6 +219,15 @@ def test_decode_attention_matches_sdpa_and_is_batch_invariant(dtype, nh, nkv, hd
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (16, 16, 64), (64, 4, 128), (4, 2, 8)])
+def test_prompt_rows_share_programs_and_keep_their_bits(dtype, nh, nkv, hd):
+    """Mixtral's heads (4 rows a program), OLMoE's MHA (16), Qwen3-MoE's 16 q heads a KV head
+    (a row a program), the tiny test model's."""
+    check_prompt_rows("cuda", dtype, nh, nkv, hd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("nh,lora,rope,max_len", [(128, 512, 64, 1000), (4, 16, 8, 200)])
 def test_latent_decode_matches_the_torch_form_and_is_batch_invariant(dtype, nh, lora, rope, max_len):
     """DeepSeek-V3's MLA (128 heads in blocks, 512 + 64 latent columns), and the tiny test model's."""
@@ -280,6 +318,7 @@ def _interpreted() -> None:
     enable()
     for dtype in (torch.float32, torch.bfloat16):
         check_decode_attention("cpu", dtype, nh=4, nkv=2, hd=8, max_len=140)
+        check_prompt_rows("cpu", dtype, nh=4, nkv=2, hd=8)
         check_latent_decode("cpu", dtype, nh=20, lora=512, rope=64, max_len=100)  # 2 head blocks, 1 partial
         check_latent_decode("cpu", dtype, nh=4, lora=16, rope=8, max_len=70)
         for interleave in (True, False):

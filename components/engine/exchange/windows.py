@@ -29,7 +29,7 @@ Why it is built this way:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import torch
@@ -156,6 +156,13 @@ def _wait_kernel(arrive, expect, mask, failed_addr, abort_addr, timeout_ns, NB: 
             tl.store(expect + r, target)
         else:
             tl.store(failed_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + r, 1)
+
+
+class Experts(Protocol):
+    """The experts a rank computes the rows sent to it with (SparseMoE.experts): row i through
+    slot slots[i]; rows of slot -1 zeros, or left unwritten without `zero_unrouted`."""
+
+    def __call__(self, x: torch.Tensor, slots: torch.Tensor, zero_unrouted: bool = True) -> torch.Tensor: ...
 
 
 class PeerWindows:
@@ -326,7 +333,7 @@ class PeerWindows:
         local: torch.Tensor,
         counts: torch.Tensor,
         out: torch.Tensor,
-        experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        experts: Experts,
     ) -> None:
         """`rows` [P, H] sorted by destination with `counts` [>= R] per destination (what
         SparseMoE.dispatch makes), `local` their slots there; writes each row's expert output into
@@ -343,7 +350,10 @@ class PeerWindows:
         got = torch.empty(R, dtype=torch.int64, device=rows.device)
         slots = torch.empty(R * C, dtype=torch.int32, device=rows.device)
         _received_kernel[(R,)](self.recv_counts, self.recv_slots, self.mask, got, slots, C, BLOCK=_BLOCK)
-        y = experts(self.recv_rows.view(self.dtype).view(R * C, H), slots)
+        # Only each peer's first got[r] rows go back, and each has its slot: the rest of the
+        # max_ranks x capacity rows stay unwritten (zeroing them cost a memset of max_ranks x the
+        # budget x top-k x hidden every MoE layer of every step, decode steps too).
+        y = experts(self.recv_rows.view(self.dtype).view(R * C, H), slots, zero_unrouted=False)
         self._send(y.contiguous().view(torch.int32), None, self.peer_starts, got, 1)
         self._wait(1)
         if P:

@@ -21,9 +21,18 @@ A key is its value's columns followed by TAIL more (MLA's rotary key, dotted sep
 (MLA's latent query and rotated rope query, as LatentAttention computes them: no concatenation);
 when the values are the keys' first columns (V_IS_K) the one tile loaded serves both dots.
 
+A mixed step lays a prompt piece out a token a row, each row's context ending at itself
+(cuda_graphs.py), and a program a row read the piece's cache once per token, a 1024-token prompt
+half a million block loads a KV head, and padded a GQA group of 4 q heads to the dot's 16 rows:
+the prompt's attention ran at a fraction of its tensor-core rate. So the rows from `alone` on (a
+mixed step's prompt rows) go to programs 16 // heads at a time, their q heads stacked in the
+dot's M; a run of them sharing a slot walks its cache once, each row masked at its own context.
+
 A row's result depends only on its query, its cache and its context length: no split of the
 sequence across programs, a fixed block order, and positions past the context masked to exactly
-zero weight. So a row's output does not change with the batch size or the padding rows beside it.
+zero weight. So a row's output does not change with the batch size or the padding rows beside it,
+nor with the rows it shares a program with: its dots have the same shape, its elements the same
+sums, and a block past its context changes nothing of its softmax state (weight 0, rescale 1).
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ def _decode_kernel(
     slots_ptr,  # [B] int64: each row's cache slot
     ctx_ptr,  # [B] int64: each row's context length (>= 1)
     out_ptr,  # [B, nh, HD] in q's dtype
+    n_rows,  # B
+    alone,  # rows [0, alone) take a program each; the rest go ROWS to a program
     stride_qb,
     stride_qh,
     stride_qtb,
@@ -61,77 +72,100 @@ def _decode_kernel(
     HD: tl.constexpr,  # the value columns, and the keys' first columns
     TAIL: tl.constexpr,  # the keys' columns past HD (0 for GQA)
     GROUP: tl.constexpr,  # q heads per kv head
-    BLOCK_G: tl.constexpr,  # q heads a program
+    BLOCK_G: tl.constexpr,  # q heads of a row a program takes
+    ROWS: tl.constexpr,  # rows a program past `alone`: the dots' M is ROWS x BLOCK_G
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     V_IS_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    n = tl.load(ctx_ptr + b)
-    offs_g = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
+    first = tl.where(pid < alone, pid, alone + (pid - alone) * ROWS)
+    end = tl.minimum(tl.where(pid < alone, pid + 1, first + ROWS), n_rows)
+    offs_m = tl.arange(0, ROWS * BLOCK_G)
+    row = first + offs_m // BLOCK_G
+    offs_g = tl.program_id(2) * BLOCK_G + offs_m % BLOCK_G
     offs_d = tl.arange(0, BLOCK_D)
+    row_ok = row < end
     g_ok = offs_g < GROUP
     d_ok = offs_d < HD
     heads = kvh * GROUP + offs_g
-    qo_mask = g_ok[:, None] & d_ok[None, :]
+    m_ok = row_ok & g_ok
+    slot_m = tl.load(slots_ptr + row, mask=row_ok, other=-1)
+    n_m = tl.load(ctx_ptr + row, mask=row_ok, other=0)
+    qo_mask = m_ok[:, None] & d_ok[None, :]
     q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0
+        q_ptr + row[:, None].to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=qo_mask,
+        other=0.0,
     )
-    cache = slot * stride_cs + kvh * stride_ch
     if TAIL > 0:
         offs_t = tl.arange(0, BLOCK_T)
         t_ok = offs_t < TAIL
         q_t = tl.load(
-            qt_ptr + b.to(tl.int64) * stride_qtb + heads[:, None] * stride_qth + offs_t[None, :],
-            mask=g_ok[:, None] & t_ok[None, :],
+            qt_ptr + row[:, None].to(tl.int64) * stride_qtb + heads[:, None] * stride_qth + offs_t[None, :],
+            mask=m_ok[:, None] & t_ok[None, :],
             other=0.0,
         )
-    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    for start in range(0, n, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        p_ok = pos < n
-        at = cache + pos[:, None].to(tl.int64) * stride_cl
-        kv_mask = p_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + at + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if TAIL > 0:
-            k_t = tl.load(k_ptr + at + HD + offs_t[None, :], mask=p_ok[:, None] & t_ok[None, :], other=0.0)
-            s += tl.dot(q_t, tl.trans(k_t), input_precision=PRECISION)
-        s = tl.where(p_ok[None, :], s * qk_scale, float("-inf"))
-        # Every block holds at least one position below n, so m_new is finite and a masked
-        # position's weight is exp2(-inf) = 0 exactly.
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if V_IS_K:
-            v = k
-        else:
-            v = tl.load(v_ptr + at + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
-    out = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
+    out = row[:, None].to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    # Each run of the program's rows that shares a slot (a prompt piece's tokens) walks that
+    # slot's cache once, for all its rows, each row masked at its own context.
+    for lead in range(first, end):
+        slot = tl.load(slots_ptr + lead)
+        if (lead == first) | (tl.load(slots_ptr + tl.maximum(lead - 1, 0)) != slot):
+            run = row_ok & (row >= lead) & (slot_m == slot)
+            n = tl.max(tl.where(run, n_m, 0), 0)
+            cache = slot.to(tl.int64) * stride_cs + kvh * stride_ch
+            m = tl.full((ROWS * BLOCK_G,), float("-inf"), dtype=tl.float32)
+            l = tl.zeros((ROWS * BLOCK_G,), dtype=tl.float32)
+            acc = tl.zeros((ROWS * BLOCK_G, BLOCK_D), dtype=tl.float32)
+            for start in range(0, n, BLOCK_N):
+                pos = start + tl.arange(0, BLOCK_N)
+                p_ok = pos < n
+                at = cache + pos[:, None].to(tl.int64) * stride_cl
+                kv_mask = p_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_ptr + at + offs_d[None, :], mask=kv_mask, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                if TAIL > 0:
+                    k_t = tl.load(k_ptr + at + HD + offs_t[None, :], mask=p_ok[:, None] & t_ok[None, :], other=0.0)
+                    s += tl.dot(q_t, tl.trans(k_t), input_precision=PRECISION)
+                # A row of the run sees positions below its own context; other rows (not stored)
+                # see the run's, so every row's m stays finite. A block holds at least one
+                # position a run row sees, so m_new is finite, a masked position's weight is
+                # exp2(-inf) = 0 exactly, and a block entirely past a row's context leaves it
+                # exactly as it was (alpha = exp2(0) = 1, weights 0): the row's bits are those it
+                # has alone.
+                seen = pos[None, :] < tl.where(run, n_m, n)[:, None]
+                s = tl.where(seen, s * qk_scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l = l * alpha + tl.sum(p, 1)
+                if V_IS_K:
+                    v = k
+                else:
+                    v = tl.load(v_ptr + at + offs_d[None, :], mask=kv_mask, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m = m_new
+            tl.store(out_ptr + out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=run[:, None] & qo_mask)
 
 
-def _attend(q, q_tail, k_cache, v_cache, slots, ctx_lens, out, scale: float, block_n: int) -> torch.Tensor:
+def _attend(q, q_tail, k_cache, v_cache, slots, ctx_lens, out, scale: float, block_n: int, alone: int) -> torch.Tensor:
     B, nh, hd = q.shape
     n_kv = k_cache.shape[2]
     group = nh // n_kv
     block_d = max(16, triton.next_power_of_2(hd))
-    block_g = max(16, min(triton.next_power_of_2(group), ACC_ELEMENTS // block_d))
+    block_g = min(triton.next_power_of_2(group), ACC_ELEMENTS // block_d)
+    rows = max(1, 16 // block_g)  # a dot's 16 rows of M: one row's q heads and padding, or several rows'
+    alone = min(alone, B)
     tail = k_cache.shape[3] - hd
-    _decode_kernel[(B, n_kv, triton.cdiv(group, block_g))](
-        q, q_tail, k_cache, v_cache, slots, ctx_lens, out,
+    _decode_kernel[(alone + triton.cdiv(B - alone, rows), n_kv, triton.cdiv(group, block_g))](
+        q, q_tail, k_cache, v_cache, slots, ctx_lens, out, B, alone,
         q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * math.log2(math.e),
-        HD=hd, TAIL=tail, GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d,
+        HD=hd, TAIL=tail, GROUP=group, BLOCK_G=block_g, ROWS=rows, BLOCK_D=block_d,
         BLOCK_T=max(16, triton.next_power_of_2(tail)), BLOCK_N=block_n, V_IS_K=v_cache is k_cache,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32 stays fp32 (no TF32)
     )  # fmt: skip
@@ -139,15 +173,23 @@ def _attend(q, q_tail, k_cache, v_cache, slots, ctx_lens, out, scale: float, blo
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    alone: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention of q [B, nh, hd] (one token per row) over the first ctx_lens[i] positions
     of cache slot slots[i] of k_cache/v_cache [slots, max_len, n_kv, hd], q head h reading kv head
     h // (nh // n_kv), scale 1/sqrt(hd) (scaled_dot_product_attention's). Returns [B, nh, hd] in
     q's dtype. Every ctx_lens[i] must be at least 1, and the two caches must share one layout with
-    a contiguous head dim, as KVCache allocates them."""
+    a contiguous head dim, as KVCache allocates them. Rows from `alone` on (default: none) go to
+    programs several at a time (a mixed step's prompt tokens): rows of one slot there read its
+    cache once between them; a row's result is the same either way."""
     q = q.contiguous()
-    return _attend(q, q, k_cache, v_cache, slots, ctx_lens, torch.empty_like(q), 1.0 / math.sqrt(q.shape[-1]), BLOCK_N)
+    scale, alone = 1.0 / math.sqrt(q.shape[-1]), q.shape[0] if alone is None else alone
+    return _attend(q, q, k_cache, v_cache, slots, ctx_lens, torch.empty_like(q), scale, BLOCK_N, alone)
 
 
 def latent_decode_attention(
@@ -168,4 +210,4 @@ def latent_decode_attention(
     assert q_latent.stride(-1) == q_rope.stride(-1) == cache.stride(-1) == 1
     assert q_rope.shape[-1] == cache.shape[-1] - lora
     out = torch.empty((nh, B, lora), dtype=q_latent.dtype, device=q_latent.device).transpose(0, 1)
-    return _attend(q_latent, q_rope, cache, cache, slots, ctx_lens, out, scale, LATENT_BLOCK_N)
+    return _attend(q_latent, q_rope, cache, cache, slots, ctx_lens, out, scale, LATENT_BLOCK_N, B)

@@ -229,10 +229,12 @@ def swiglu_experts(
     w_down: torch.Tensor,
     count: torch.Tensor | None = None,
     tiles: Tiles | None = None,
+    zero_unrouted: bool = True,
 ) -> torch.Tensor:
     """Row i through the expert in slot local[i] ([S, I, H] gate and up, [S, H, I] down weights);
-    a row whose slot is outside 0..S-1 (-1: padding) comes back zero. `count` gains the number of
-    rows with a slot. `tiles`: the tiling, else `expert_tiles`'s choice."""
+    a row whose slot is outside 0..S-1 (-1: padding) comes back zero, or unwritten without
+    `zero_unrouted`. `count` gains the number of rows with a slot. `tiles`: the tiling, else
+    `expert_tiles`'s choice."""
     M, H = x.shape
     S, I, _ = w_gate.shape
     t = tiles or getattr(_chosen, "tiles", TILES)
@@ -252,7 +254,7 @@ def swiglu_experts(
     _expert_kernel[(grid, triton.cdiv(I, t.n))](
         x.contiguous(), rows, ends, blocks, w_gate, w_up, h, I, H, S, GATED=True, PRECISION=precision, **launch
     )
-    y = torch.zeros(M, H, dtype=x.dtype, device=x.device)
+    y = (torch.zeros if zero_unrouted else torch.empty)(M, H, dtype=x.dtype, device=x.device)
     _expert_kernel[(grid, triton.cdiv(H, t.n))](
         h, rows, ends, blocks, w_down, w_down, y, H, I, S, GATED=False, PRECISION=precision, **launch
     )

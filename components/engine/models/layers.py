@@ -50,6 +50,11 @@ def split_rows(fn, x: torch.Tensor) -> torch.Tensor:
     return torch.cat((fn(x[:n]), *(fn(r) for r in parts)))
 
 
+def prompt_rows_from() -> int | None:
+    """Under `rows_split_at(n, ...)` (a mixed graph's capture): n, where the prompt rows begin."""
+    return getattr(_split, "n", 0) or None
+
+
 class SplitLinear(nn.Linear):
     """nn.Linear under `split_rows` (DecodeGraphs turns a model's nn.Linear into these)."""
 
@@ -239,7 +244,7 @@ class Attention(nn.Module):
         if batch.decode_only and q.is_cuda:  # reads each row's cache in place up to its own context
             from components.engine.kernels.decode_attention import decode_attention
 
-            out = decode_attention(q, kc, vc, batch.slots, batch.ctx_lens)
+            out = decode_attention(q, kc, vc, batch.slots, batch.ctx_lens, alone=prompt_rows_from())
         else:
             # A sequence at a time over its own context, decodes too: on the CPU, SDPA's rounding
             # of a row over keys padded to the step's longest context (gathered_decode) depends

@@ -160,18 +160,21 @@ class SparseMoE(nn.Module):
         `scoring`): None, the softmax top-k above; a family routing otherwise says so."""
         return None
 
-    def experts(self, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def experts(self, x: torch.Tensor, local: torch.Tensor, zero_unrouted: bool = True) -> torch.Tensor:
         """The SwiGLU expert of slot `local[i]` applied to row `x[i]`, zeros for rows whose slot
-        is out of range (-1 marks padding), without a host sync: the row count can stay fixed, so
-        a graph can capture it. On CUDA the Triton kernels of expert_gemm; on the CPU rows are
-        grouped by slot (group_by_slot) and each projection is one grouped GEMM over the groups."""
+        is out of range (-1 marks padding; on CUDA left unwritten without `zero_unrouted`),
+        without a host sync: the row count can stay fixed, so a graph can capture it. On CUDA the
+        Triton kernels of expert_gemm; on the CPU rows are grouped by slot (group_by_slot) and
+        each projection is one grouped GEMM over the groups."""
         S = self.ep.slots_per_rank
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         if x.is_cuda:  # the slot validity, the count and the grouping in one launch (group_rows)
             from components.engine.kernels.expert_gemm import swiglu_experts
 
-            return swiglu_experts(x, local, self.w_gate, self.w_up, self.w_down, self.ep.rows_computed)
+            return swiglu_experts(
+                x, local, self.w_gate, self.w_up, self.w_down, self.ep.rows_computed, zero_unrouted=zero_unrouted
+            )
         real = (local >= 0) & (local < S)
         self.ep.rows_computed.add_(real.sum())
         key = torch.where(real, local.long(), S)  # padding sorts behind every group
