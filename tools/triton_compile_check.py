@@ -169,6 +169,7 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
                 lambda: rotary_cache_write(q, k, v, cos, sin, i64(B), i64(B), kc, vc),
             )
         yield f"decode_attention {at}", lambda: decode_attention(q, kc, vc, i64(B), i64(B))
+        yield f"decode_attention {at} prompt rows", lambda: decode_attention(q, kc, vc, i64(B), i64(B), alone=B // 3)
         latent = t(CACHE_SLOTS, MAX_LEN, 1, KV_LORA + ROPE_DIM)
         # The query parts as LatentAttention has them: q_latent a transposed bmm result, q_rope contiguous.
         q_latent, q_rope = t(MLA_HEADS, B, KV_LORA).transpose(0, 1), t(B, MLA_HEADS, ROPE_DIM)
@@ -258,7 +259,7 @@ def _calls(dt: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
     yield "copy_block_sums", lambda: checksum_kernel.copy_block_sums(pairs, checksum._COLS, checksum._ROW_MOD)
 
 
-def _echo(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _echo(rows: torch.Tensor, slots: torch.Tensor, zero_unrouted: bool = True) -> torch.Tensor:
     return torch.empty_like(rows)
 
 

@@ -49,6 +49,43 @@ ACC_ELEMENTS = 8192  # a program's fp32 accumulator, heads x value columns: 64 r
 
 
 @triton.jit
+def _run(q, q_t, k_ptr, v_ptr, cache, n, n_row, stride_cl, offs_d, d_ok, offs_t, t_ok, qk_scale,
+         HD: tl.constexpr, TAIL: tl.constexpr, M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+         V_IS_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Softmax attention of the M query rows `q` over the first `n` positions of one cache slot
+    (`cache`: its offset and kv head's), row i seeing the first n_row[i] <= n of them."""
+    m = tl.full((M,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((M,), dtype=tl.float32)
+    acc = tl.zeros((M, BLOCK_D), dtype=tl.float32)
+    for start in range(0, n, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        p_ok = pos < n
+        at = cache + pos[:, None].to(tl.int64) * stride_cl
+        kv_mask = p_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + at + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if TAIL > 0:
+            k_t = tl.load(k_ptr + at + HD + offs_t[None, :], mask=p_ok[:, None] & t_ok[None, :], other=0.0)
+            s += tl.dot(q_t, tl.trans(k_t), input_precision=PRECISION)
+        # Each row's first block holds a position it sees, so m_new is finite, a masked position's
+        # weight is exp2(-inf) = 0 exactly, and a block wholly past a row's context leaves its
+        # state exactly as it was (alpha = exp2(0) = 1, weights 0): a row's bits are those it has
+        # alone, whatever n the rows beside it walk to.
+        s = tl.where(pos[None, :] < n_row[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(v_ptr + at + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return acc / l[:, None]
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,  # [B, nh, HD]
     qt_ptr,  # [B, nh, TAIL] the queries' last columns (unread when TAIL is 0)
@@ -93,63 +130,45 @@ def _decode_kernel(
     d_ok = offs_d < HD
     heads = kvh * GROUP + offs_g
     m_ok = row_ok & g_ok
-    slot_m = tl.load(slots_ptr + row, mask=row_ok, other=-1)
     n_m = tl.load(ctx_ptr + row, mask=row_ok, other=0)
-    qo_mask = m_ok[:, None] & d_ok[None, :]
     q = tl.load(
         q_ptr + row[:, None].to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=qo_mask,
+        mask=m_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    offs_t = tl.arange(0, BLOCK_T)
+    t_ok = offs_t < TAIL
+    q_t = q
     if TAIL > 0:
-        offs_t = tl.arange(0, BLOCK_T)
-        t_ok = offs_t < TAIL
         q_t = tl.load(
             qt_ptr + row[:, None].to(tl.int64) * stride_qtb + heads[:, None] * stride_qth + offs_t[None, :],
             mask=m_ok[:, None] & t_ok[None, :],
             other=0.0,
         )
-    out = row[:, None].to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    # Each run of the program's rows that shares a slot (a prompt piece's tokens) walks that
-    # slot's cache once, for all its rows, each row masked at its own context.
-    for lead in range(first, end):
-        slot = tl.load(slots_ptr + lead)
-        if (lead == first) | (tl.load(slots_ptr + tl.maximum(lead - 1, 0)) != slot):
-            run = row_ok & (row >= lead) & (slot_m == slot)
-            n = tl.max(tl.where(run, n_m, 0), 0)
-            cache = slot.to(tl.int64) * stride_cs + kvh * stride_ch
-            m = tl.full((ROWS * BLOCK_G,), float("-inf"), dtype=tl.float32)
-            l = tl.zeros((ROWS * BLOCK_G,), dtype=tl.float32)
-            acc = tl.zeros((ROWS * BLOCK_G, BLOCK_D), dtype=tl.float32)
-            for start in range(0, n, BLOCK_N):
-                pos = start + tl.arange(0, BLOCK_N)
-                p_ok = pos < n
-                at = cache + pos[:, None].to(tl.int64) * stride_cl
-                kv_mask = p_ok[:, None] & d_ok[None, :]
-                k = tl.load(k_ptr + at + offs_d[None, :], mask=kv_mask, other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-                if TAIL > 0:
-                    k_t = tl.load(k_ptr + at + HD + offs_t[None, :], mask=p_ok[:, None] & t_ok[None, :], other=0.0)
-                    s += tl.dot(q_t, tl.trans(k_t), input_precision=PRECISION)
-                # A row of the run sees positions below its own context; other rows (not stored)
-                # see the run's, so every row's m stays finite. A block holds at least one
-                # position a run row sees, so m_new is finite, a masked position's weight is
-                # exp2(-inf) = 0 exactly, and a block entirely past a row's context leaves it
-                # exactly as it was (alpha = exp2(0) = 1, weights 0): the row's bits are those it
-                # has alone.
-                seen = pos[None, :] < tl.where(run, n_m, n)[:, None]
-                s = tl.where(seen, s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l = l * alpha + tl.sum(p, 1)
-                if V_IS_K:
-                    v = k
-                else:
-                    v = tl.load(v_ptr + at + offs_d[None, :], mask=kv_mask, other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m = m_new
-            tl.store(out_ptr + out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=run[:, None] & qo_mask)
+    dtype = out_ptr.dtype.element_ty
+    if ROWS == 1:  # a row a program: its heads are the dot's rows
+        slot = tl.load(slots_ptr + first)
+        n = tl.load(ctx_ptr + first)
+        cache = slot.to(tl.int64) * stride_cs + kvh * stride_ch
+        o = _run(q, q_t, k_ptr, v_ptr, cache, n, n_m, stride_cl, offs_d, d_ok, offs_t, t_ok, qk_scale,
+                 HD, TAIL, ROWS * BLOCK_G, BLOCK_D, BLOCK_N, V_IS_K, PRECISION)  # fmt: skip
+        out = row[:, None].to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + out, o.to(dtype), mask=m_ok[:, None] & d_ok[None, :])
+    else:
+        # Each run of the program's rows that shares a slot (a prompt piece's tokens) walks that
+        # slot's cache once, for all its rows, each row masked at its own context; the other rows
+        # (not stored) see the run's, so their softmax stays finite.
+        slot_m = tl.load(slots_ptr + row, mask=row_ok, other=-1)
+        for lead in range(first, end):
+            slot = tl.load(slots_ptr + lead)
+            if (lead == first) | (tl.load(slots_ptr + tl.maximum(lead - 1, 0)) != slot):
+                run = row_ok & (row >= lead) & (slot_m == slot)
+                n = tl.max(tl.where(run, n_m, 0), 0)
+                cache = slot.to(tl.int64) * stride_cs + kvh * stride_ch
+                o = _run(q, q_t, k_ptr, v_ptr, cache, n, tl.where(run, n_m, n), stride_cl, offs_d, d_ok, offs_t,
+                         t_ok, qk_scale, HD, TAIL, ROWS * BLOCK_G, BLOCK_D, BLOCK_N, V_IS_K, PRECISION)  # fmt: skip
+                out = row[:, None].to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+                tl.store(out_ptr + out, o.to(dtype), mask=(run & g_ok)[:, None] & d_ok[None, :])
 
 
 def _attend(q, q_tail, k_cache, v_cache, slots, ctx_lens, out, scale: float, block_n: int, alone: int) -> torch.Tensor:
@@ -158,8 +177,10 @@ def _attend(q, q_tail, k_cache, v_cache, slots, ctx_lens, out, scale: float, blo
     group = nh // n_kv
     block_d = max(16, triton.next_power_of_2(hd))
     block_g = min(triton.next_power_of_2(group), ACC_ELEMENTS // block_d)
-    rows = max(1, 16 // block_g)  # a dot's 16 rows of M: one row's q heads and padding, or several rows'
     alone = min(alone, B)
+    # A dot's 16 rows of M: a row's q heads and padding, or past `alone` several rows' heads.
+    rows = max(1, 16 // block_g) if alone < B else 1
+    block_g = max(block_g, 16 // rows)
     tail = k_cache.shape[3] - hd
     _decode_kernel[(alone + triton.cdiv(B - alone, rows), n_kv, triton.cdiv(group, block_g))](
         q, q_tail, k_cache, v_cache, slots, ctx_lens, out, B, alone,
