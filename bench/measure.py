@@ -1,9 +1,11 @@
-"""What the benchmarks share: timing a device call, and writing their results."""
+"""What the benchmarks share: timing a device call, the GPUs a run had, and writing results."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +43,16 @@ def graph_ms(fn: Callable[[], object], replays: int) -> float:
     with torch.cuda.graph(g):
         fn()
     return median_ms(g.replay, replays)
+
+
+def gpus() -> list[str]:
+    """This machine's GPUs by name (nvidia-smi's; none without it), for a result's record of
+    where it ran: without a CUDA context in a client that only drives the served graph."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
 
 def write_results(path: Path, result: dict) -> None:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from bench import aiperf
-from bench.measure import write_results
+from bench.measure import gpus, write_results
 from harness.server import Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,7 +202,12 @@ def main() -> None:
         srv.stop()
     res = {
         "command": " ".join([sys.executable, "-m", "bench.serve", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "gpus": gpus(),
+            "platform": platform.platform(),
+            "load_avg": os.getloadavg(),
+        },
         "deployment": {"ranks": args.ranks, "max_seqs": args.max_seqs, "device": args.device, "dtype": dtype},
         "trace": {
             "seed": args.seed,

@@ -36,6 +36,7 @@ import aiohttp
 import httpx
 import uvloop
 
+from bench.measure import gpus
 from harness.server import Server, sse_data
 
 
@@ -180,7 +181,12 @@ def main() -> None:
         "gap_s": args.gap_s,
         "rows": rows,
         "bursts": bursts,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "gpus": gpus(),
+            "python": platform.python_version(),
+            "load": os.getloadavg(),
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
