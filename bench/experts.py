@@ -27,7 +27,7 @@ from bench.measure import graph_ms, write_results
 
 
 def parse_tiles(text: str):
-    """MxNxK[:warps[:stages]] -> expert_gemm.Tiles (ValueError saying what is wrong)."""
+    """MxNxK[:warps[:stages[:group]]] -> expert_gemm.Tiles (ValueError saying what is wrong)."""
     from components.engine.kernels.expert_gemm import Tiles
 
     shape, *rest = text.strip().split(":")
@@ -35,9 +35,9 @@ def parse_tiles(text: str):
         m, n, k = (int(v) for v in shape.split("x"))
         extra = [int(v) for v in rest]
     except ValueError:
-        raise ValueError(f"{text!r} is not MxNxK[:warps[:stages]] in integers") from None
-    if len(extra) > 2 or min(m, n, k, *extra) < 1 or any(v & (v - 1) for v in (m, n, k, *extra[:1])):
-        raise ValueError(f"{text!r}: M, N, K and warps must be powers of two, stages >= 1")
+        raise ValueError(f"{text!r} is not MxNxK[:warps[:stages[:group]]] in integers") from None
+    if len(extra) > 3 or min(m, n, k, *extra) < 1 or any(v & (v - 1) for v in (m, n, k, *extra[:1])):
+        raise ValueError(f"{text!r}: M, N, K and warps must be powers of two, stages and group >= 1")
     return Tiles(m, n, k, *extra)
 
 
@@ -56,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--tiles",
         default="",
-        help="comma-separated tilings to time beside the engine's, each MxNxK[:warps[:stages]] (e.g. 128x128x64:8)",
+        help="comma-separated tilings to time beside the engine's, each MxNxK[:warps[:stages[:group]]] "
+        "(e.g. 128x128x64:8; group: blocks of rows taken column tile by column tile)",
     )
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--hbm-gbps", type=float, default=4000.0)
@@ -139,7 +140,10 @@ def main(argv=None) -> int:
         row["grouped_mm_ms"] = graph_ms(lambda: grouped(x, key), args.replays)
         row["bmm_all_ms"] = graph_ms(lambda: all_experts(x, key), args.replays) if m <= 256 else None
         rows.append(row)
-    names = ["x".join(map(str, t[:3])) + f":{t.warps}:{t.stages}" for t in tilings]
+    names = [
+        "x".join(map(str, t[:3])) + f":{t.warps}:{t.stages}" + (f":{t.group}" if t.group < 1 << 16 else "")
+        for t in tilings
+    ]
     head = ["rows", "capacity", *(f"triton {n} ms" for n in names), "grouped_mm ms", "bmm all ms", "floor ms"]
     head += ["best triton/floor", "rel err (engine's)", "bits equal the engine's"]
     print(" | ".join(head))

@@ -75,3 +75,19 @@ def test_step_bench_times_each_phase_of_the_real_step_loop(tmp_path):
         assert r["decode_steps"] >= 3  # 5 tokens: the first comes from the prefill step
         assert sum(r["phase_ms_p50"].values()) <= r["step_ms_p50"] * 1.5
         assert r["graph_ms"] is None  # no graphs on the CPU
+
+
+def test_burst_bench_cuts_prompts_by_budget_without_changing_what_they_draw(tmp_path):
+    """bench.burst at CI size on the CPU: a row per budget and piece, every prompt's first token
+    the same under each, and a bad --configs refused with what is wrong."""
+    from bench import burst
+
+    out = tmp_path / "burst.json"
+    args = ["--device", "cpu", "--prompts", "3", "--prompt-len", "40", "--repeats", "1", "--out", str(out)]
+    assert burst.main([*args, "--configs", "256:64,32:16"]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["budget"], r["piece"]) for r in res["rows"]] == [(256, 64), (32, 16)]
+    assert res["first_tokens_same"] and all(len(r["first_tokens"]) == 3 for r in res["rows"])
+    assert all(r["prompt_tok_s"] > 0 for r in res["rows"])
+    with pytest.raises(SystemExit):
+        burst.main([*args, "--configs", "256"])

@@ -270,7 +270,13 @@ def test_expert_tilings_give_a_row_the_same_bits(dtype):
     local = torch.randint(-1, S, (4160,), dtype=torch.int32, device="cuda")
     x = torch.randn(len(local), H, device="cuda").to(dtype)
     want = swiglu_experts(x, local, wg, wu, wd, tiles=TILES)
-    for tiles in (PROMPT_TILES, Tiles(64, 64, 64), Tiles(128, 64, 128, 8), Tiles(64, 128, 64, 4, 4)):
+    for tiles in (
+        PROMPT_TILES,
+        Tiles(64, 64, 64),
+        Tiles(128, 64, 128, 8),
+        Tiles(64, 128, 64, 4, 4),
+        Tiles(128, 128, 64, 8, 4, 3),
+    ):
         assert torch.equal(swiglu_experts(x, local, wg, wu, wd, tiles=tiles), want), tiles
 
 
@@ -328,6 +334,7 @@ def _interpreted() -> None:
     from components.engine.kernels.expert_gemm import Tiles
 
     check_experts("cpu", torch.float32, Tiles(32, 32, 64))  # bench.experts --tiles runs others
+    check_experts("cpu", torch.float32, Tiles(32, 32, 64, group=3))  # blocks in groups, the last one short
     check_group_rows("cpu")
 
 
@@ -353,9 +360,13 @@ def test_bench_attention_runs_on_cpu(tmp_path):
 @pytest.mark.parametrize(
     "tiles,message",
     [
-        ("64x48x64", "--tiles: '64x48x64': M, N, K and warps must be powers of two, stages >= 1"),
-        ("64x64", "--tiles: '64x64' is not MxNxK[:warps[:stages]] in integers"),
-        ("64x64x64:4:3:2", "--tiles: '64x64x64:4:3:2': M, N, K and warps must be powers of two, stages >= 1"),
+        ("64x48x64", "--tiles: '64x48x64': M, N, K and warps must be powers of two, stages and group >= 1"),
+        ("64x64", "--tiles: '64x64' is not MxNxK[:warps[:stages[:group]]] in integers"),
+        ("64x64x64:4:3:0", "--tiles: '64x64x64:4:3:0': M, N, K and warps must be powers of two, stages and group >= 1"),
+        (
+            "64x64x64:4:3:2:1",
+            "--tiles: '64x64x64:4:3:2:1': M, N, K and warps must be powers of two, stages and group >= 1",
+        ),
     ],
 )
 def test_bench_experts_refuses_a_bad_tiling(tiles, message):
@@ -371,3 +382,4 @@ def test_bench_experts_reads_a_tiling():
 
     assert parse_tiles("128x128x64:8") == Tiles(128, 128, 64, warps=8, stages=3)
     assert parse_tiles(" 64x128x64:4:4") == Tiles(64, 128, 64, warps=4, stages=4)
+    assert parse_tiles("128x128x64:8:4:8") == Tiles(128, 128, 64, warps=8, stages=4, group=8)

@@ -56,7 +56,9 @@ class RankConfig(msgspec.Struct, frozen=True):
     max_batched_tokens: int = 256
     # Rows of one prompt GEMM in a mixed step (cuda_graphs.py): large enough for tensor-core rate
     # in the dense projections, small enough that a step with a few prompt tokens pads little.
-    prompt_piece: int = 256
+    # 512 against 256: the dense projections of 32 x 1024 prompt tokens 10.4 against 15.6 ms of
+    # device time, the burst 266k against 256k prompt tok/s (one H100, budget 8192).
+    prompt_piece: int = 512
     min_ranks: int = 1  # fewest active ranks that must hold every expert: sizes the expert slots
     redundant_experts: int = 0
     # Outputs that do not change with the load (Scheduler's batch-invariant policy; graphs as
@@ -110,10 +112,12 @@ def context_length(requested: int, mc, max_seqs: int, dtype: torch.dtype, device
 
 
 def batched_tokens(given: int, device: str) -> int:
-    """Worker.max_batched_tokens as a rank runs it: 0 takes the device's default, 2048 on CUDA (a
-    H200 prefills at tensor-core rate from about that many tokens a step), 256 on the CPU (where a
-    step's time, and so every decode's, grows with its tokens)."""
-    return given or (2048 if device.startswith("cuda") else 256)
+    """Worker.max_batched_tokens as a rank runs it: 0 takes the device's default, 8192 on CUDA (32
+    prompts of 1024 at once, one H100, 5.4 GiB Mixtral-shaped: 237k prompt tok/s at 2048, 253k
+    at 4096, 256k at 8192 in process, bench/results/burst_h100_budgets.json; fewer steps, and the
+    experts' GEMMs run larger), 256 on the CPU (where a step's time, and so every decode's, grows
+    with its tokens)."""
+    return given or (8192 if device.startswith("cuda") else 256)
 
 
 def prompt_piece(cfg: RankConfig) -> int:

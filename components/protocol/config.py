@@ -27,10 +27,10 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     redundant_experts: int = 0
     max_seqs: int = 16
     max_len: int = 0  # longest sequence; 0 = the model's context length, capped by memory
-    # Prompt tokens a step computes beside its decodes; 0 = the device's default (2048 on CUDA,
-    # 256 on the CPU: engine.rank.batched_tokens). Its cost to decoding is small since steps with
-    # prompt rows run their own expert tiling and grid: one rank's 32-sequence decode step 2.18
-    # ms at 2048 against 2.14 at 256 (H100, 5.4 GiB Mixtral-shaped, bf16), its prompts 1.7x faster.
+    # Prompt tokens a step computes beside its decodes; 0 = the device's default (8192 on CUDA,
+    # as vLLM's server takes on GPUs of this size; 256 on the CPU: engine.rank.batched_tokens).
+    # Decode-only steps do not see it (their own graph); a step carrying that many prompt tokens
+    # holds its decodes for its length (some 30 ms on an H100, 5.4 GiB Mixtral-shaped, bf16).
     max_batched_tokens: int = 0
     # Greedy outputs (and seeded samples) that do not change with the load, bit for bit: a step
     # is either all decodes, as one CUDA graph of max_seqs rows, or one chunk of one prompt (see

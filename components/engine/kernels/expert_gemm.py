@@ -8,9 +8,14 @@ and one tile of output columns: a slot no row goes to costs nothing, and a touch
 close to bandwidth. A prompt chunk sends each expert hundreds of rows, in blocks that are
 neighbours in launch order (the block varies fastest), so they run together and read the slot's
 weight tile once from HBM, then from L2: the chunk runs at tensor-core rate, not re-reading every
-expert's weights per BLOCK_M rows. The grid is fixed, so a graph captures it, and each program
-loops over the blocks the grouping made (program p takes blocks p, p + P, ...; their count is
-read on the device). Its size is not the most blocks M rows can have: M is the EP window's
+expert's weights per BLOCK_M rows. Thousands of rows (a step of 8192 prompt tokens: 16k rows of
+8 KB, 28 KB once through Wg and Wu) outgrow L2, so the blocks go in groups (`Tiles.group`) that
+take every column tile before the next group starts: the programs running together share a few
+blocks' rows as well as a few column tiles' weights. At 16,448 rows on an H100 that took the
+layer from 14.0 to 11.3 ms (bench/results/experts_h100_group.json), with the same bits. The grid
+is fixed, so a graph captures it, and each program loops over the (block, column tile) pairs the
+grouping made (program p takes pairs p, p + P, ...; the block count is read on the device). Its size
+is not the most blocks M rows can have: M is the EP window's
 capacity, which the token budget sets, and a decode step fills a few blocks of it, so a grid of
 that size launched thousands of idle programs per layer each step. The first kernel
 gathers each group's rows and writes silu(x Wg^T) * (x Wu^T) in group order; the second applies
@@ -55,6 +60,10 @@ class Tiles(NamedTuple):
     k: int
     warps: int = 4
     stages: int = 3
+    # Blocks of rows whose tiles are taken column tile by column tile before the next blocks'
+    # (the launch order): few keep the blocks' rows in L2 while every column tile reads them,
+    # which a prompt step's thousands of rows need; a decode step's handful of blocks is one group.
+    group: int = 1 << 16
 
 
 # Measured on an H200 (8 slots, H 4096, I 14336, bf16): 64-row blocks keep a slot's weights read
@@ -65,8 +74,10 @@ class Tiles(NamedTuple):
 TILES = Tiles(64, 64, 128)
 # Steps with prompt rows: at 4160 rows (2048 prompt tokens and 32 decodes, top-2) on an H100, 3.4
 # ms against TILES' 5.8 and torch._grouped_mm's 3.0, the floor 1.85 (bench.experts); at 64 rows
-# 1.05 ms against 0.98, so decode steps keep TILES.
-PROMPT_TILES = Tiles(128, 128, 64, 8, 4)
+# 1.05 ms against 0.98, so decode steps keep TILES. Groups of 8 blocks: 3.03 / 6.07 / 11.3 ms at
+# 4160 / 8256 / 16448 rows against 3.11 / 6.21 / 14.0 in one order (4: 3.32 / 5.86 / 11.6; 16:
+# 3.16 / 6.19 / 11.4; H100).
+PROMPT_TILES = Tiles(128, 128, 64, 8, 4, 8)
 
 _chosen = threading.local()
 
@@ -100,18 +111,26 @@ def _expert_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     offs_s = tl.arange(0, BLOCK_S)
     block_ends = tl.load(blocks_ptr + offs_s, mask=offs_s < S, other=2**31 - 1)
     total = tl.load(blocks_ptr + S - 1)  # the blocks this grouping has, of the grid's most
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    for b in range(tl.program_id(0), total, tl.num_programs(0)):
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # Tile t of (blocks x column tiles): GROUP blocks at a time, the block varying fastest, so
+    # the programs running together read a few blocks' rows and a few column tiles' weights
+    # (each from L2 after the first) rather than every block's rows for one column tile.
+    for t in range(tl.program_id(0), total * tiles_n, tl.num_programs(0)):
+        first = (t // (GROUP * tiles_n)) * GROUP
+        size = tl.minimum(total - first, GROUP)
+        b = first + (t - first * tiles_n) % size
+        offs_n = ((t - first * tiles_n) // size) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
         s = tl.sum((block_ends <= b).to(tl.int32), 0)  # the slot whose blocks hold block b
-        first = tl.load(blocks_ptr + s - 1, mask=s > 0, other=0)
+        slot_first = tl.load(blocks_ptr + s - 1, mask=s > 0, other=0)
         start = tl.load(ends_ptr + s - 1, mask=s > 0, other=0)
         end = tl.load(ends_ptr + s)
-        m0 = start + (b - first) * BLOCK_M
+        m0 = start + (b - slot_first) * BLOCK_M
         w_tile = s.to(tl.int64) * N * K + offs_n[None, :].to(tl.int64) * K
         pos = m0 + tl.arange(0, BLOCK_M)
         m_ok = pos < end
@@ -248,14 +267,15 @@ def swiglu_experts(
     # ran their blocks in two rounds, the second mostly idle.
     grid = min(triton.cdiv(M, t.m) + min(S, M), max(2 * S + 16, triton.cdiv(expected, t.m) + S))
     launch = dict(
-        BLOCK_M=t.m, BLOCK_N=t.n, BLOCK_K=t.k, BLOCK_S=triton.next_power_of_2(S), num_warps=t.warps, num_stages=t.stages
-    )
+        BLOCK_M=t.m, BLOCK_N=t.n, BLOCK_K=t.k, BLOCK_S=triton.next_power_of_2(S), GROUP=t.group,
+        num_warps=t.warps, num_stages=t.stages,
+    )  # fmt: skip
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    _expert_kernel[(grid, triton.cdiv(I, t.n))](
+    _expert_kernel[(grid * triton.cdiv(I, t.n),)](
         x.contiguous(), rows, ends, blocks, w_gate, w_up, h, I, H, S, GATED=True, PRECISION=precision, **launch
     )
     y = (torch.zeros if zero_unrouted else torch.empty)(M, H, dtype=x.dtype, device=x.device)
-    _expert_kernel[(grid, triton.cdiv(H, t.n))](
+    _expert_kernel[(grid * triton.cdiv(H, t.n),)](
         h, rows, ends, blocks, w_down, w_down, y, H, I, S, GATED=False, PRECISION=precision, **launch
     )
     return y
