@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -105,6 +106,43 @@ def test_bf16_greedy_does_not_change_with_the_load(tmp_path, arch):
         eng.stop()
     assert eng.graphs.sizes == [16, 16 + 256]  # decode-only steps, steps with prompt tokens (mixed)
     assert [i for i, (a, b) in enumerate(zip(alone, loaded)) if a != b] == []
+
+
+@pytest.mark.gpu
+def test_a_steps_tokens_go_out_once_the_next_step_is_queued(tmp_path):
+    """Emitting wakes the serving loop, whose streaming of the tokens competes for the GIL with
+    the step thread: a step's tokens are held until the next step is queued, or until the thread
+    waits for the device with none queued (the last ones), and none is lost or reordered."""
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), "cuda")
+    launches = 0
+    launch = eng._launch
+
+    def counted(work):
+        nonlocal launches
+        step = launch(work)
+        launches += 1
+        return step
+
+    eng._launch = counted
+    eng.start()
+    try:
+        (want,), _ = generate(eng, [PROMPTS[2]], MAX_NEW, ignore_eos=True)
+        seen, done = [], threading.Event()
+
+        def emit(o):
+            seen.append((launches, list(o.token_ids), o.finish_reason))
+            if o.finish_reason:
+                done.set()
+
+        launches = 0
+        eng.submit(GenerateRequest("r", PROMPTS[2], MAX_NEW, ignore_eos=True), emit)
+        assert done.wait(60)
+    finally:
+        eng.stop()
+    assert [t for _, ts, _ in seen for t in ts] == want
+    assert [r for _, _, r in seen] == [None] * (MAX_NEW - 1) + ["length"]
+    # Token j is drawn by the step queued (j + 1)th: the prompt's, then one decode step a token.
+    assert [queued for queued, _, _ in seen] == [j + 2 for j in range(MAX_NEW - 1)] + [MAX_NEW]
 
 
 def run_peers(tmp_path, plan) -> list[list[dict]]:
@@ -384,8 +422,6 @@ def test_a_seeded_completion_does_not_depend_on_its_batch(tmp_path, device):
     """The sampling noise is keyed by (seed, position, token): a seeded request draws the same
     tokens alone and batched with other requests (seeded, unseeded, greedy), and top_k=1 is greedy.
     On CUDA the decode rows draw in the sampling graphs."""
-    import threading
-
     eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), device)
     eng.start()
     seeded = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7}
