@@ -108,12 +108,20 @@ def test_bf16_greedy_does_not_change_with_the_load(tmp_path, arch):
     assert [i for i, (a, b) in enumerate(zip(alone, loaded)) if a != b] == []
 
 
-@pytest.mark.gpu
-def test_a_steps_tokens_go_out_once_the_next_step_is_queued(tmp_path):
+class Computed:
+    """A step's CUDA event once the device has run it: on the CPU a step is computed as it is
+    queued, and with this in its place the step loop reads it back as it does a CUDA step's."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_steps_tokens_go_out_once_the_next_step_is_queued(tmp_path, device):
     """Emitting wakes the serving loop, whose streaming of the tokens competes for the GIL with
     the step thread: a step's tokens are held until the next step is queued, or until the thread
     waits for the device with none queued (the last ones), and none is lost or reordered."""
-    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), "cuda")
+    eng = single_rank(make_checkpoint("mixtral", tmp_path / "ckpt"), device)
     launches = 0
     launch = eng._launch
 
@@ -121,7 +129,7 @@ def test_a_steps_tokens_go_out_once_the_next_step_is_queued(tmp_path):
         nonlocal launches
         step = launch(work)
         launches += 1
-        return step
+        return step if device == "cuda" else step._replace(done=Computed())
 
     eng._launch = counted
     eng.start()
@@ -141,8 +149,10 @@ def test_a_steps_tokens_go_out_once_the_next_step_is_queued(tmp_path):
         eng.stop()
     assert [t for _, ts, _ in seen for t in ts] == want
     assert [r for _, _, r in seen] == [None] * (MAX_NEW - 1) + ["length"]
-    # Token j is drawn by the step queued (j + 1)th: the prompt's, then one decode step a token.
-    assert [queued for queued, _, _ in seen] == [j + 2 for j in range(MAX_NEW - 1)] + [MAX_NEW]
+    # Token j is drawn by the step queued (j + 1)th (the prompt's, then a decode step a token) and
+    # read back once the (j + 2)th is queued behind it; it goes out once the (j + 3)th is. The
+    # last two go out as the thread waits for the last step, and once it is read back.
+    assert [queued for queued, _, _ in seen] == [j + 3 for j in range(MAX_NEW - 2)] + [MAX_NEW, MAX_NEW]
 
 
 def run_peers(tmp_path, plan) -> list[list[dict]]:
