@@ -63,7 +63,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -87,6 +86,7 @@ from bench.faults import (
     rank_pid,
     router_pids,
 )
+from bench.measure import machine
 from harness.server import Server, Traffic, engine_reference, failure_reasons, free_ports, freeze, scale
 from harness.tamper import flip_byte
 
@@ -548,7 +548,7 @@ def main() -> None:
             if not o.startswith("--Planner.port")
         ],
         "snapshot": baked,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "rows": rows,
     }
 

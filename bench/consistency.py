@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import random
 import sys
 import time
@@ -33,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.measure import gpus
+from bench.measure import machine
 from components.engine.models.builtin import builtin_model_dir
 from components.engine.models.registry import read_config
 from components.graph.component import graph_components
@@ -205,7 +203,7 @@ def main() -> None:
         "command": " ".join(["python -m bench.consistency", *sys.argv[1:]]),
         "non_default_options": options,
         "rank0": {"model": str(model_dir), **rank0},  # as the worker configures it, and the reference
-        "machine": {"cpus": os.cpu_count(), "gpus": gpus(), "python": platform.python_version()},
+        "machine": machine(),
         "requests": {
             "clients": args.clients,
             "prompts": len(prompts),

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.measure import write_results
+from bench.measure import machine, write_results
 from snapshot.criu import find_criu
 from snapshot.criu_image import dump, restore, spawn, verify_image
 
@@ -138,7 +137,7 @@ def main() -> None:
     version = subprocess.run([criu, "--version"], capture_output=True, text=True).stdout.split()
     result = {
         "command": " ".join([sys.executable, "-m", "bench.criu_restore", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine(),
         "criu": version[1] if len(version) > 1 else "",
         "rows": rows,
     }

@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from bench.measure import write_results
+from bench.measure import machine, write_results
 
 HEADER = (
     "ranks",
@@ -328,32 +327,22 @@ def table(rows: list[dict]) -> str:
 
 
 def machine_info() -> dict:
+    """bench.measure.machine, and what sizes this benchmark's CPU runs: usable CPUs, torch's
+    threads, torch's and NIXL's versions."""
     info = {
-        "cpu_count": os.cpu_count(),
+        **machine(),
         "usable_cpus": usable_cpus(),
         "torch": torch.__version__,
         "torch_threads_default": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
     }
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        for dist in ("nixl-cu13", "nixl"):
-            try:
-                info["nixl"] = f"{dist} {version(dist)}"
-                break
-            except Exception:
-                pass
-    except ImportError:
-        pass
-    try:
-        info["cpu_model"] = next(
-            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
+    for dist in ("nixl-cu13", "nixl"):
+        try:
+            info["nixl"] = f"{dist} {version(dist)}"
+            break
+        except PackageNotFoundError:
+            pass
     return info
 
 

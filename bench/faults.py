@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -69,6 +68,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.measure import machine
 from harness.server import Server, Traffic, engine_reference, failure_reasons, scale
 from harness.tamper import flip_byte, largest
 
@@ -524,7 +524,7 @@ def main() -> None:
             {
                 "command": " ".join(["python -m bench.faults", *sys.argv[1:]]),
                 "rows": rows,
-                "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                "machine": machine(),
             },
             indent=2,
         )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import shutil
 import sys
@@ -33,7 +32,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from bench.measure import write_results
+from bench.measure import machine, write_results
 from harness.server import Server, scale
 
 PHASES = ["starting", "loading", "warming", "connecting", "committing"]
@@ -236,7 +235,7 @@ def main() -> None:
         "command": " ".join([sys.executable, "-m", "bench.join", *sys.argv[1:]]),
         "serve_options": opts[:3] + opts[4:],  # not the temporary store
         "device": args.device,
-        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        "machine": machine(),
         "bake": baked,
         "joins": rows,
     }

@@ -1,8 +1,10 @@
-"""What the benchmarks share: timing a device call, the GPUs a run had, and writing results."""
+"""What the benchmarks share: timing a device call, the machine a run had, and writing results."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -53,6 +55,33 @@ def gpus() -> list[str]:
         return []
     out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (Linux's /proc/cpuinfo; else what the platform says)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """Where a result was measured, for its record: the host's CPUs, whose speed sets the serving
+    path's host work (one GPU model on two hosts gave 7.7k and 9.8k output tok/s of the same
+    traffic with the same code, bench.serve), its GPUs, the platform, Python, and the load
+    average as the record is made."""
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "gpus": gpus(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_avg": os.getloadavg(),
+    }
 
 
 def write_results(path: Path, result: dict) -> None:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.measure import machine
 from harness.server import Server, Traffic
 
 
@@ -247,7 +246,7 @@ def main() -> None:
                     "command": " ".join(["python -m bench.scale", *sys.argv[1:]]),
                     "rows": rows,
                     "non_default_options": non_defaults(args, args.small),
-                    "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                    "machine": machine(),
                     "args": vars(args) | {"out": str(args.out)},
                 },
                 indent=2,

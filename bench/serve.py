@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import struct
 import sys
@@ -30,7 +28,7 @@ import time
 from pathlib import Path
 
 from bench import aiperf
-from bench.measure import gpus, write_results
+from bench.measure import machine, write_results
 from harness.server import Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,12 +200,7 @@ def main() -> None:
         srv.stop()
     res = {
         "command": " ".join([sys.executable, "-m", "bench.serve", *sys.argv[1:]]),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "gpus": gpus(),
-            "platform": platform.platform(),
-            "load_avg": os.getloadavg(),
-        },
+        "machine": machine(),
         "deployment": {"ranks": args.ranks, "max_seqs": args.max_seqs, "device": args.device, "dtype": dtype},
         "trace": {
             "seed": args.seed,

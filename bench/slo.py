@@ -38,7 +38,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import subprocess
@@ -51,7 +50,7 @@ from pathlib import Path
 import httpx
 
 from bench import aiperf
-from bench.measure import write_results
+from bench.measure import machine, write_results
 from harness.server import Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,7 +335,7 @@ def main() -> None:
     result = {
         "command": " ".join([sys.executable, "-m", "bench.slo", *sys.argv[1:]]),
         # Other sessions share this VM's cores: the load they put on it is part of the result.
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": os.getloadavg()},
+        "machine": machine(),
         "trace": {
             "requests": len(rows),
             "seed": args.seed,

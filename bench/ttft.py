@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import re
 import statistics
 import sys
@@ -36,7 +34,7 @@ import aiohttp
 import httpx
 import uvloop
 
-from bench.measure import gpus
+from bench.measure import machine
 from harness.server import Server, sse_data
 
 
@@ -181,12 +179,7 @@ def main() -> None:
         "gap_s": args.gap_s,
         "rows": rows,
         "bursts": bursts,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "gpus": gpus(),
-            "python": platform.python_version(),
-            "load": os.getloadavg(),
-        },
+        "machine": machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
