@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.measure import gpus, write_results
+from bench.measure import write_results
 
 CATEGORIES = (
     ("experts", ("_expert_kernel",)),
@@ -139,7 +139,6 @@ def main(argv=None) -> int:
         {
             "benchmark": "bench.burst",
             "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "gpus": gpus(),
             "model": model,
             "prompts": n,
             "prompt_len": length,

@@ -22,7 +22,6 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.measure import machine
+from bench.measure import write_results
 from components.engine.models.builtin import builtin_model_dir
 from components.engine.models.registry import read_config
 from components.graph.component import graph_components
@@ -203,7 +202,6 @@ def main() -> None:
         "command": " ".join(["python -m bench.consistency", *sys.argv[1:]]),
         "non_default_options": options,
         "rank0": {"model": str(model_dir), **rank0},  # as the worker configures it, and the reference
-        "machine": machine(),
         "requests": {
             "clients": args.clients,
             "prompts": len(prompts),
@@ -218,10 +216,8 @@ def main() -> None:
         "phases": phases,
         "totals": {k: sum(ph[k] for ph in phases) for k in keys},
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(out, result)
     report(result)
-    print(f"wrote {out}")
     sys.exit(1 if bad(phases) else 0)
 
 

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.measure import machine, write_results
+from bench.measure import write_results
 from snapshot.criu import find_criu
 from snapshot.criu_image import dump, restore, spawn, verify_image
 
@@ -137,7 +137,6 @@ def main() -> None:
     version = subprocess.run([criu, "--version"], capture_output=True, text=True).stdout.split()
     result = {
         "command": " ".join([sys.executable, "-m", "bench.criu_restore", *sys.argv[1:]]),
-        "machine": machine(),
         "criu": version[1] if len(version) > 1 else "",
         "rows": rows,
     }

@@ -7,12 +7,12 @@ from decode in the last bits, which flips near-ties (a random-weight model has m
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
+from bench.measure import write_results
 from harness.reference import generate, single_rank
 
 
@@ -64,19 +64,15 @@ def main() -> None:
     for r in rows:
         print(f"| {r['how']} | {r['k']} | {r['differ']} / {r['of']} |")
     print(f"replays that sampled a token other than the first rank's: {diverged}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "command": " ".join(["python -m bench.handover", *sys.argv[1:]]),
-                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                "rows": rows,
-                "replays_diverged": diverged,
-            },
-            indent=2,
-        )
+    write_results(
+        args.out,
+        {
+            "command": " ".join(["python -m bench.handover", *sys.argv[1:]]),
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "rows": rows,
+            "replays_diverged": diverged,
+        },
     )
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

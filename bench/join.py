@@ -32,7 +32,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from bench.measure import machine, write_results
+from bench.measure import write_results
 from harness.server import Server, scale
 
 PHASES = ["starting", "loading", "warming", "connecting", "committing"]
@@ -235,7 +235,6 @@ def main() -> None:
         "command": " ".join([sys.executable, "-m", "bench.join", *sys.argv[1:]]),
         "serve_options": opts[:3] + opts[4:],  # not the temporary store
         "device": args.device,
-        "machine": machine(),
         "bake": baked,
         "joins": rows,
     }

@@ -85,6 +85,10 @@ def machine() -> dict:
 
 
 def write_results(path: Path, result: dict) -> None:
+    """Write `result` as JSON to `path`, with the machine it was measured on (`machine`) unless it
+    records its own."""
+    if "machine" not in result:
+        result = {**result, "machine": machine()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)

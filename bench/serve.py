@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from bench import aiperf
-from bench.measure import machine, write_results
+from bench.measure import write_results
 from harness.server import Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,7 +200,6 @@ def main() -> None:
         srv.stop()
     res = {
         "command": " ".join([sys.executable, "-m", "bench.serve", *sys.argv[1:]]),
-        "machine": machine(),
         "deployment": {"ranks": args.ranks, "max_seqs": args.max_seqs, "device": args.device, "dtype": dtype},
         "trace": {
             "seed": args.seed,

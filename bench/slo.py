@@ -50,7 +50,7 @@ from pathlib import Path
 import httpx
 
 from bench import aiperf
-from bench.measure import machine, write_results
+from bench.measure import write_results
 from harness.server import Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,8 +334,6 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     result = {
         "command": " ".join([sys.executable, "-m", "bench.slo", *sys.argv[1:]]),
-        # Other sessions share this VM's cores: the load they put on it is part of the result.
-        "machine": machine(),
         "trace": {
             "requests": len(rows),
             "seed": args.seed,

@@ -34,7 +34,7 @@ import aiohttp
 import httpx
 import uvloop
 
-from bench.measure import machine
+from bench.measure import write_results
 from harness.server import Server, sse_data
 
 
@@ -179,10 +179,8 @@ def main() -> None:
         "gap_s": args.gap_s,
         "rows": rows,
         "bursts": bursts,
-        "machine": machine(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result)
     print(f"lone requests back to back, {args.requests} a row, {args.max_tokens} tokens each; ms")
     print(f"{'target':10} {'prompt':>6} {'TTFT p50':>9} {'p90':>7} {'min':>7} {'max':>7} {'total p50':>10}")
     for r in rows:
@@ -197,7 +195,6 @@ def main() -> None:
             f"{b['prompt_tok_per_s']:,.0f} prompt tok/s, "
             f"TTFT p50 {b['ttft_ms']['p50']:.1f} max {b['ttft_ms']['max']:.1f} ms"
         )
-    print(f"wrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

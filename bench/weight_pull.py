@@ -9,7 +9,6 @@ end-to-end column includes verification and the transfer column does not."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bench.measure import write_results
 from components.engine.weights.store import WeightStore
 from components.protocol.transfer import PullItem, spread
 from harness.weight_peer import NON_EXPERT, Sources, make_weights
@@ -115,21 +115,17 @@ def main() -> None:
             f"{r['end_to_end_gbps']:.1f} ({100 * r['end_to_end_gbps'] / copy:.0f}%) | "
             f"{r['end_to_end_gbps_median']:.1f} ({100 * r['end_to_end_gbps_median'] / copy:.0f}%) |"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "command": " ".join(["python -m bench.weight_pull", *sys.argv[1:]]),
-                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                "src_device": src_device,
-                "dst_device": args.device,
-                "device_copy_gbps": copy,
-                "rows": rows,
-            },
-            indent=2,
-        )
+    write_results(
+        args.out,
+        {
+            "command": " ".join(["python -m bench.weight_pull", *sys.argv[1:]]),
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "src_device": src_device,
+            "dst_device": args.device,
+            "device_copy_gbps": copy,
+            "rows": rows,
+        },
     )
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
