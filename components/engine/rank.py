@@ -528,10 +528,11 @@ class EngineRank:
             torch.cuda.set_device(self.device)
         while not self._stop:
             self._drain()
+            if self._launched is None:  # what the drain emitted (a cancel): no step to queue first
+                self._release()
             if not self._paused and self._pause_wanted and self.cfg.rank not in self.comm.active:
                 self._enter_pause()  # not in any collective: nobody else to agree with
             if self._paused or self.cfg.rank not in self.comm.active:
-                self._release()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -540,7 +541,6 @@ class EngineRank:
                 # Nobody had work last time: wait a little for ours before asking again; a rank
                 # alone in the group has nobody to ask, and waits until something is posted.
                 alone = len(self.comm.active) == 1
-                self._release()
                 if self._wake.wait(None if alone else self.cfg.idle_wait_s):
                     self._wake.clear()
                     self._drain()
