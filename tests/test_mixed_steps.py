@@ -1,7 +1,7 @@
 """Batch-invariant mixed steps: prompts of many lengths arriving while others decode share steps
 with those decodes and with each other (Scheduler.mixed_steps counts such steps), and every
 completion, greedy or seeded, is the one the same request gets alone on one rank, on 1 rank and on
-2 (EP). On CUDA the same through the mixed graph (cuda_graphs.py)."""
+2 and 4 (EP). On CUDA the same through the mixed graph (cuda_graphs.py)."""
 
 from __future__ import annotations
 
@@ -90,16 +90,17 @@ def test_mixed_steps_on_one_rank_match_each_request_alone(case, device, piece):
         assert [i for i in greedy if again[i] != alone[i]] == []
 
 
-def test_mixed_steps_on_two_ranks_match_each_request_alone(case, tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_mixed_steps_on_ranks_match_each_request_alone(case, world, tmp_path):
     path, prompts, sampling, alone = case
     plan = {
-        "world": 2,
+        "world": world,
         "model": str(path),
         "prompts": prompts,
         "sampling": sampling,
         "max_tokens": MAX_NEW,
         **LIMITS,
-        "phases": [{"active": [0, 1], "stagger_s": 0.005}],
+        "phases": [{"active": list(range(world)), "stagger_s": 0.005}],
     }
     reports = run_peers(tmp_path, plan)
     tokens = {k: v for rep in reports for k, v in rep[0]["tokens"].items()}
