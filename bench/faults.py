@@ -68,7 +68,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.measure import machine
+from bench.measure import write_results
 from harness.server import Server, Traffic, engine_reference, failure_reasons, scale
 from harness.tamper import flip_byte, largest
 
@@ -518,17 +518,7 @@ def main() -> None:
         except Exception as e:
             rows.append({"fault": f, "error": f"{type(e).__name__}: {e}"})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "operations"}), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "command": " ".join(["python -m bench.faults", *sys.argv[1:]]),
-                "rows": rows,
-                "machine": machine(),
-            },
-            indent=2,
-        )
-    )
+    write_results(args.out, {"command": " ".join(["python -m bench.faults", *sys.argv[1:]]), "rows": rows})
 
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
