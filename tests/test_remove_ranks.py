@@ -121,11 +121,12 @@ def test_a_removal_a_failover_came_between_still_leaves_the_deployment_at_its_si
             os.kill(pid, signal.SIGKILL)
         r = server.control("POST", "/scale", json={"remove": [1], "drain_timeout": 20})
         assert r.status_code == 202 and r.json()["dp_size"] == 2, r.text
+        deadline = time.monotonic() + 180
         if kill == "once_begun":
             while not [op for op in server.control("GET", "/operations").json() if op["id"] not in before]:
+                assert time.monotonic() < deadline, server.tail(80)
                 time.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 180
         while True:
             ops = [op for op in server.control("GET", "/operations").json() if op["id"] not in before]
             topo = server.topology()
