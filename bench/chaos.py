@@ -86,7 +86,7 @@ from bench.faults import (
     rank_pid,
     router_pids,
 )
-from bench.measure import machine
+from bench.measure import machine, write_results
 from harness.server import Server, Traffic, engine_reference, failure_reasons, free_ports, freeze, scale
 from harness.tamper import flip_byte
 
@@ -552,9 +552,8 @@ def main() -> None:
         "rows": rows,
     }
 
-    def save() -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    def save() -> None:  # after every row, so a soak cut short still leaves its numbers
+        write_results(args.out, result, quiet=True)
 
     try:
         if store:
@@ -606,7 +605,7 @@ def main() -> None:
         "not_recovered": sum(1 for r in rows if r.get("recovered_s") is None),
         "at_target_at_end": result.get("end", {}).get("dp_size") == soak.target,
     }
-    save()
+    write_results(args.out, result)
     report(result)
     sys.exit(1 if any(bad(r) for r in rows) or not result["summary"]["at_target_at_end"] else 0)
 

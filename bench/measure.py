@@ -84,11 +84,13 @@ def machine() -> dict:
     }
 
 
-def write_results(path: Path, result: dict) -> None:
+def write_results(path: Path, result: dict, *, quiet: bool = False) -> None:
     """Write `result` as JSON to `path`, with the machine it was measured on (`machine`) unless it
-    records its own."""
+    records its own. Values JSON has no form for (an exception, a path) are written as their str.
+    `quiet` for a benchmark that saves after every row, so that a run cut short keeps its numbers."""
     if "machine" not in result:
         result = {**result, "machine": machine()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}", file=sys.stderr)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if not quiet:
+        print(f"wrote {path}", file=sys.stderr)

@@ -13,7 +13,6 @@ running, so `downtime / step` says how many decode steps a commit costs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.measure import machine
+from bench.measure import write_results
 from harness.server import Server, Traffic
 
 
@@ -239,19 +238,13 @@ def main() -> None:
     rows: list[dict] = []
 
     def save() -> None:  # after every mode, so a run cut short still leaves its numbers
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {
-                    "command": " ".join(["python -m bench.scale", *sys.argv[1:]]),
-                    "rows": rows,
-                    "non_default_options": non_defaults(args, args.small),
-                    "machine": machine(),
-                    "args": vars(args) | {"out": str(args.out)},
-                },
-                indent=2,
-            )
-        )
+        result = {
+            "command": " ".join(["python -m bench.scale", *sys.argv[1:]]),
+            "rows": rows,
+            "non_default_options": non_defaults(args, args.small),
+            "args": vars(args) | {"out": str(args.out)},
+        }
+        write_results(args.out, result, quiet=True)
 
     for mode in args.modes.split(","):
         rows += run_mode(mode.strip(), args)
