@@ -24,13 +24,15 @@ def experts(x: torch.Tensor, slots: torch.Tensor, zero_unrouted: bool = True) ->
     return torch.where((slots >= 0).unsqueeze(1), x * (slots + 1).to(x.dtype).unsqueeze(1), rest)
 
 
-def make_step(rank: int, ranks: list[int], step: int, rows: int, hidden: int, slots: int, dtype, dev):
+def make_step(rank: int, ranks: list[int], step: int, rows: int, hidden: int, slots: int, max_ranks: int, dtype, dev):
+    """Seeded rows for `ranks`, sorted by destination, with a count for each of the `max_ranks`
+    (the exchange reads that many: fewer would be read past their end)."""
     g = torch.Generator().manual_seed(1000 * rank + step)
     x = torch.randn(rows, hidden, generator=g).to(dtype)
     dest = torch.tensor(ranks)[torch.randint(len(ranks), (rows,), generator=g)]
     local = torch.randint(slots, (rows,), generator=g, dtype=torch.int32)
     order = torch.argsort(dest, stable=True)
-    counts = torch.bincount(dest, minlength=max(ranks) + 1)
+    counts = torch.bincount(dest, minlength=max_ranks)
     return x[order].to(dev), local[order].to(dev), counts.to(dev)
 
 
@@ -73,7 +75,7 @@ def main() -> None:
         return bool(torch.equal(out[sent], want[sent]))
 
     if args.silent_peer >= 0:
-        x, local, counts = make_step(args.rank, live, 0, args.rows, args.hidden, S, dtype, dev)
+        x, local, counts = make_step(args.rank, live, 0, args.rows, args.hidden, S, R, dtype, dev)
         t0 = time.perf_counter()
         win.exchange(x, local, counts, out, experts)
         torch.cuda.synchronize(dev)
@@ -88,7 +90,7 @@ def main() -> None:
 
     eager_ok = True
     for step in range(5):
-        x, local, counts = make_step(args.rank, ranks, step, args.rows, args.hidden, S, dtype, dev)
+        x, local, counts = make_step(args.rank, ranks, step, args.rows, args.hidden, S, R, dtype, dev)
         win.exchange(x, local, counts, out, experts)
         win.check()
         eager_ok &= check(x, local, counts)
@@ -110,7 +112,7 @@ def main() -> None:
     torch.cuda.current_stream().wait_stream(stream)
     graph_ok, times = True, []
     for step in range(args.iters):
-        x, local, counts = make_step(args.rank, ranks, 100 + step, args.rows, args.hidden, S, dtype, dev)
+        x, local, counts = make_step(args.rank, ranks, 100 + step, args.rows, args.hidden, S, R, dtype, dev)
         sx.copy_(x)
         sl.copy_(local)
         sc.zero_()

@@ -535,9 +535,9 @@ def test_bake_on_cuda_records_gpu_and_graphs(tmp_path):
 
     path, m = bake(tmp_path / "gpu", device="cuda", max_seqs=8, progress=False)
     assert m.device_type == torch.cuda.get_device_name(0)
-    # One graph for every decode-only step (padded to max_seqs), one for every step with prompt
-    # tokens (the decodes, then max_batched_tokens prompt rows).
-    assert m.cuda_graph_sizes == [8, 8 + 256] and m.batch_invariant
+    # One graph for every decode-only step (padded to max_seqs), and for steps with prompt tokens
+    # the decodes plus one, two, ... 512-row prompt pieces up to CUDA's default budget of 8192.
+    assert m.cuda_graph_sizes == [8, *(8 + 512 * k for k in range(1, 17))] and m.batch_invariant
     assert m.driver_version == "" or int(m.driver_version) >= 12000
     verify(path)
     check_compatible(m, target_for(None, device="cuda", max_seqs=8))
