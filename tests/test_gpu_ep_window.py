@@ -1,7 +1,7 @@
 """The peer-window EP exchange between processes (harness/window_peer.py): rows reach the right
 peer and slot and come back in order, eagerly and replayed from a CUDA graph, between ranks on one
 GPU and on two; a peer that never sends makes the others' exchange fail with EPError naming it
-(after the timeout, not a hang)."""
+(after the timeout, not a hang); counts short of the ranks are refused before a kernel reads them."""
 
 from __future__ import annotations
 
@@ -58,3 +58,19 @@ def test_a_silent_peer_fails_the_exchange_with_its_rank():
     results = run_group(["cuda:0", "cuda:0", "cuda:0"], "--silent-peer", "2")
     for res in results[:2]:
         assert res["error"] and "ranks [2]" in res["error"] and "timed out" in res["error"], res
+
+
+def test_too_few_counts_is_refused_before_any_kernel_reads_them():
+    from components.engine.exchange.windows import PeerWindows
+    from harness.window_peer import experts
+
+    dev = torch.device("cuda:0")
+    win = PeerWindows(0, 4, 64, 256, torch.bfloat16, dev, "node")
+    try:
+        rows = torch.zeros(8, 256, dtype=torch.bfloat16, device=dev)
+        local = torch.zeros(8, dtype=torch.int32, device=dev)
+        counts = torch.tensor([8, 0], device=dev)
+        with pytest.raises(ValueError, match="^2 counts for an exchange of 4 ranks$"):
+            win.exchange(rows, local, counts, torch.empty_like(rows), experts)
+    finally:
+        win.close()

@@ -345,6 +345,8 @@ class PeerWindows:
         P = rows.shape[0]
         if P > C:
             raise ValueError(f"{P} (token, expert) rows exceed the EP window capacity of {C}")
+        if counts.numel() < R:  # the kernels read one per rank: fewer would be read past their end
+            raise ValueError(f"{counts.numel()} counts for an exchange of {R} ranks")
         self._send(rows.contiguous().view(torch.int32), local, None, counts, 0)
         self._wait(0)
         got = torch.empty(R, dtype=torch.int64, device=rows.device)
