@@ -25,8 +25,16 @@ def enable() -> None:
             return t
         return interpreter.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
 
-    def create_dot(self, a, b, *rest):
-        return dot(self, widen(a), widen(b), *rest)
+    def create_dot(self, a, b, d, *rest):
+        a, b = widen(a), widen(b)
+        if a.data.ndim != 2:
+            return dot(self, a, b, d, *rest)
+        # Row by row (one matrix-vector product a row, numpy's loop over the leading axis): a
+        # block's matmul would let BLAS pick its summation order by the block's shape, so a row
+        # would differ in its last bits with the rows beside it; a GPU's dot does not.
+        rows = [interpreter.TensorHandle(x.data[:, None, :], x.dtype.scalar) for x in (a, d)]
+        out = dot(self, rows[0], b, rows[1], *rest)
+        return interpreter.TensorHandle(out.data[:, 0, :], out.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
 

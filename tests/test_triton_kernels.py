@@ -58,22 +58,12 @@ def check_decode_attention(device: str, dtype: torch.dtype, nh: int, nkv: int, h
     assert torch.equal(last, got[seqs - 2 :])
 
 
-def check_prompt_rows(device: str, dtype: torch.dtype, nh: int, nkv: int, hd: int, exact: bool = True) -> None:
+def check_prompt_rows(device: str, dtype: torch.dtype, nh: int, nkv: int, hd: int) -> None:
     """A mixed step's rows: decodes alone, then prompt pieces a token a row (a row's context ending
     at itself) and padding, several rows to a program. Against SDPA; every row bitwise the same as
     alone, whichever rows share its program (packs from row 3, from row 0, from row 1); every
-    cache position past what a piece's rows may read is NaN. `exact` False (Triton's interpreter):
-    numpy's matmul, which stands in for tl.dot there, sums a block of rows in an order its BLAS
-    picks by shape (with unchanged code, a fresh install in 2026-12 gave a row alone and in a
-    program of 4 different last bits), so there
-    the rows agree to the dtype's tolerance; the GPU form holds them to the bit."""
+    cache position past what a piece's rows may read is NaN."""
     from components.engine.kernels.decode_attention import BLOCK_N, decode_attention
-
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        if exact:
-            return torch.equal(a, b)
-        torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
-        return True
 
     torch.manual_seed(0)
     max_len, scratch = 2 * BLOCK_N + 40, 5
@@ -92,9 +82,9 @@ def check_prompt_rows(device: str, dtype: torch.dtype, nh: int, nkv: int, hd: in
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
     for i in range(len(rows)):
         alone = decode_attention(q[i : i + 1], kc, vc, slots[i : i + 1], lens[i : i + 1])
-        assert same(alone[0], got[i]), f"row {i} {rows[i]} differs in a program with others"
+        assert torch.equal(alone[0], got[i]), f"row {i} {rows[i]} differs in a program with others"
     for at in (0, 1):
-        assert same(decode_attention(q, kc, vc, slots, lens, alone=at), got), at
+        assert torch.equal(decode_attention(q, kc, vc, slots, lens, alone=at), got), at
 
 
 def check_latent_decode(device: str, dtype: torch.dtype, nh: int, lora: int, rope: int, max_len: int) -> None:
@@ -334,7 +324,7 @@ def _interpreted() -> None:
     enable()
     for dtype in (torch.float32, torch.bfloat16):
         check_decode_attention("cpu", dtype, nh=4, nkv=2, hd=8, max_len=140)
-        check_prompt_rows("cpu", dtype, nh=4, nkv=2, hd=8, exact=False)
+        check_prompt_rows("cpu", dtype, nh=4, nkv=2, hd=8)
         check_latent_decode("cpu", dtype, nh=20, lora=512, rope=64, max_len=100)  # 2 head blocks, 1 partial
         check_latent_decode("cpu", dtype, nh=4, lora=16, rope=8, max_len=70)
         for interleave in (True, False):
