@@ -17,6 +17,15 @@ engine code is what a server runs:
              the device's, and a step's time is the interval between steps
   update     appending that step's tokens and emitting them (Scheduler.update)
 
+With `--beside N`, a second pass times the steps that carry a prompt of N tokens beside the
+batch's decodes (a new prompt, one token out, whenever the last is done) against the decode steps
+between them (on CUDA a step's interval on the host ends with the wait for the step queued
+before it, so each interval is counted for that step; on the CPU a step computes as it is
+queued). In a memory-bound decode step a prompt piece could ride
+on the weights the decodes read anyway, and `us a prompt token` (the mixed step's time beyond the
+decode step's, per prompt token) says how nearly it does, beside the prompt rate of a whole step
+of prompts (bench.burst).
+
 Then `graph ms`: the decode graph of that batch size replayed alone (median of `--replays`, a sync
 around each), and `floor ms`: every weight byte read once at `--hbm-gbps` (a decode batch of 32 or
 more touches every expert). What a step takes beyond the graph is host work the overlap left exposed.
@@ -29,6 +38,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -67,6 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the engine's default: every decode batch padded into one graph of the largest --batch rows; "
         "--no-batch-invariant: a graph per batch size, mixed prefill and decode steps",
     )
+    ap.add_argument(
+        "--beside",
+        type=int,
+        default=0,
+        help="also time steps carrying one prompt of this many tokens beside each batch's decodes; 0: off",
+    )
     ap.add_argument("--replays", type=int, default=50, help="graph replays timed per batch size")
     ap.add_argument(
         "--profile",
@@ -82,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--batch must be comma-separated integers, got {args.batch!r}")
     if not args.batch or min(args.batch) < 1 or args.prompt_len < 1 or args.gen_len < 2 or args.replays < 1:
         ap.error("--batch values, --prompt-len and --replays must be >= 1, --gen-len >= 2")
+    if args.beside < 0:
+        ap.error("--beside must be >= 0")
     return args
 
 
@@ -90,8 +108,11 @@ class PhaseClock:
 
     def __init__(self, eng):
         self.eng, self.steps = eng, []
+        # Every step's (decodes, prompt pieces, seconds): what `beside` reads.
+        self.shapes: list[tuple[int, int, float]] = []
         self._cur: dict[str, float] | None = None  # the step's seconds by phase, while one runs
         self._decode = False  # whether the running step is a decode step
+        self._shape = (0, 0)
         step, sched = eng._step, eng.sched
         schedule = sched.schedule
 
@@ -101,12 +122,15 @@ class PhaseClock:
             step(has_work)
             total = time.perf_counter() - t0
             cur, self._cur = self._cur, None
+            self.shapes.append((*self._shape, total))
             if self._decode:
                 self.steps.append({"total": total, **{p: cur[p] for p in PHASES}})
 
         def timed_schedule():
             work = self._time("schedule", schedule)
             self._decode = bool(work) and all(n == 1 for _, n in work)
+            prompts = sum(1 for _, n in work if n > 1)
+            self._shape = (len(work) - prompts, prompts)
             return work
 
         eng._step = timed_step
@@ -137,6 +161,41 @@ class PhaseClock:
             return self._time(phase, fn, *a, **kw)
 
         setattr(obj, name, timed)
+
+
+def beside(eng, clock: PhaseClock, prompts: list[list[int]], gen_len: int, prompt: list[int]) -> dict:
+    """`prompts` decoding while one `prompt` at a time (one token out) joins them; the steps of
+    every decode and one prompt piece against those of every decode alone."""
+    from harness.reference import submit_all
+
+    clock.shapes.clear()
+    done = submit_all(eng, prompts, gen_len, ignore_eos=True)
+    finished = threading.Event()
+    feeder = threading.Thread(target=lambda: [submit_all(eng, [prompt], 1)(600) for _ in iter(finished.is_set, True)])
+    feeder.start()
+    try:
+        done(600)
+    finally:
+        finished.set()
+        feeder.join()
+    # On CUDA a step's wait is for the step queued before it; on the CPU a step computes as it is
+    # queued, so its interval is its own.
+    lag = 1 if eng.device.type == "cuda" else 0
+    b, shapes = len(prompts), clock.shapes
+    pairs = [((d, p), t) for (d, p, _), (*_, t) in zip(shapes, shapes[lag:])]
+    mixed = [t for shape, t in pairs if shape == (b, 1)]
+    decode = [t for shape, t in pairs if shape == (b, 0)]
+    if not mixed or not decode:
+        return {"prompt_tokens": len(prompt), "mixed_steps": len(mixed), "decode_steps": len(decode)}
+    m, d = statistics.median(mixed) * 1e3, statistics.median(decode) * 1e3
+    return {
+        "prompt_tokens": len(prompt),
+        "mixed_steps": len(mixed),
+        "decode_steps": len(decode),
+        "mixed_ms_p50": m,
+        "decode_ms_p50": d,
+        "us_per_prompt_token": (m - d) * 1e3 / len(prompt),
+    }
 
 
 def graph_ms(eng, batch: int, replays: int) -> float | None:
@@ -199,14 +258,16 @@ def main(argv=None) -> int:
         model,
         device=args.device,
         max_len=args.max_len,
-        max_seqs=top,
-        max_batched_tokens=max(256, args.prompt_len),
+        max_seqs=top + (args.beside > 0),
+        max_batched_tokens=max(256, args.prompt_len, args.beside),
         dtype=args.dtype,
         batch_invariant=args.batch_invariant,
         cuda_graph_sizes=sizes,
     )
-    if args.prompt_len + args.gen_len > eng.max_len:
-        raise SystemExit(f"--prompt-len + --gen-len exceed the KV cache's {eng.max_len} tokens: raise --max-len")
+    if max(args.prompt_len + args.gen_len, args.beside + 1) > eng.max_len:
+        raise SystemExit(
+            f"--prompt-len + --gen-len (or --beside) exceed the KV cache's {eng.max_len} tokens: raise --max-len"
+        )
     clock = PhaseClock(eng)
     eng.start()
     vocab, g = eng.model_config.vocab_size, torch.Generator().manual_seed(0)
@@ -230,6 +291,10 @@ def main(argv=None) -> int:
                 print(f"batch {b}: {prof['kernels']:.0f} kernels, {prof['device_ms']:.3f} ms of device time a replay")
                 for k in prof["top"]:
                     print(f"  {k['ms']:.4f} ms  x{k['launches']:.0f}  {k['kernel']}")
+            side = None
+            if args.beside:
+                prompt = torch.randint(0, vocab, (args.beside,), generator=g).tolist()
+                side = beside(eng, clock, prompts, args.gen_len, prompt)
             rows.append(
                 {
                     "batch": b,
@@ -242,11 +307,20 @@ def main(argv=None) -> int:
                     "tok_s": b * len(full) / sum(totals) if totals else None,
                     "wall_s": wall,
                     **({"profile": prof} if prof else {}),
+                    **({"beside": side} if side else {}),
                 }
             )
     finally:
         eng.stop()
     print(table(rows, args))
+    for r in rows:
+        if "mixed_ms_p50" in r.get("beside", {}):
+            x = r["beside"]
+            print(
+                f"batch {r['batch']} beside one {x['prompt_tokens']}-token prompt: {x['mixed_ms_p50']:.2f} ms a step "
+                f"({x['mixed_steps']}) against {x['decode_ms_p50']:.2f} ms decoding alone ({x['decode_steps']}): "
+                f"{x['us_per_prompt_token']:.2f} us a prompt token"
+            )
     result = {
         "benchmark": "bench.step",
         "command": "python -m bench.step " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),

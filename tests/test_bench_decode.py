@@ -77,6 +77,23 @@ def test_step_bench_times_each_phase_of_the_real_step_loop(tmp_path):
         assert r["graph_ms"] is None  # no graphs on the CPU
 
 
+def test_step_bench_times_steps_with_a_prompt_beside_the_decodes(tmp_path):
+    """bench.step --beside on the CPU: a second pass per batch size in which one prompt at a time
+    joins the decodes; its steps and the decode steps between them are counted and timed apart."""
+    from bench import step
+
+    out = tmp_path / "step.json"
+    args = ["--device", "cpu", "--batch", "2", "--prompt-len", "4", "--gen-len", "24", "--beside", "20"]
+    assert step.main([*args, "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    side = row["beside"]
+    assert side["prompt_tokens"] == 20 and side["mixed_steps"] >= 3 and side["decode_steps"] >= 3
+    assert side["mixed_ms_p50"] > 0 and side["decode_ms_p50"] > 0
+    assert side["us_per_prompt_token"] == pytest.approx((side["mixed_ms_p50"] - side["decode_ms_p50"]) * 1e3 / 20)
+    with pytest.raises(SystemExit):
+        step.main([*args[:-1], "-1"])
+
+
 def test_burst_bench_cuts_prompts_by_budget_without_changing_what_they_draw(tmp_path):
     """bench.burst at CI size on the CPU: a row per budget and piece, every prompt's first token
     the same under each, and a bad --configs refused with what is wrong."""
