@@ -113,10 +113,11 @@ def test_a_killed_parked_rank_is_dropped_and_never_chosen(server, reference):
     parked = pids(server)
     os.kill(parked[3], signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while 3 in pids(server):
+    # The topology shows each rank's last reported status: rank 2's report after it parked can
+    # come after the scale-down's reply (a loaded CI machine showed it LEAVING here).
+    while 3 in pids(server) or {r["rank"]: r["state"] for r in server.topology()["ranks"]}[2] != "PARKED":
         assert time.monotonic() < deadline, server.topology()
         time.sleep(0.1)
-    assert {r["rank"]: r["state"] for r in server.topology()["ranks"]}[2] == "PARKED"
     up = scale(server, 4)
     assert up["phase"] == "done", up
     assert up["joined_from"] == {"2": "parked", "3": "cold"}, up
