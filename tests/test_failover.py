@@ -185,21 +185,38 @@ def test_a_failed_ranks_experts_are_served_by_their_replicas_and_rebuilt_from_pe
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
 
 
-@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def streamer_of(pid: int) -> int:
+    """The streaming process of the rank process `pid` (its child serving `generate`)."""
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(pid):
+                if b"components.worker.streamer" in (d / "cmdline").read_bytes():
+                    return int(d.name)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    raise AssertionError(f"rank process {pid} has no streaming process")
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP", "streamer SIGKILL"])
 def test_a_failed_serving_rank_is_replaced_under_load_and_nothing_is_lost(server, reference, fault):
+    """The rank's process killed or stalled, or its streaming process killed (the rank exits with
+    it): either way neither process of the rank is left, and its requests complete elsewhere."""
     rank = 1
     pid, before = pid_of(server, rank), operation_ids(server)
+    streamer = streamer_of(pid)
     with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
         time.sleep(2.0)
-        os.kill(pid, getattr(signal, fault))
+        os.kill(streamer if fault.startswith("streamer") else pid, getattr(signal, fault.split()[-1]))
         failover, topo = wait_for_failover(server, rank, before)
         time.sleep(2.0)
     assert failover["phase"] == "done" and failover["error"] == "", (failover["error"], failover["phases"])
     assert topo["dp_size"] == 3, topo
     assert topo["active"] == [0, 1, 2], server.control("GET", "/operations").text
     assert pid_of(server, rank) != pid  # a new process took rank 1
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)  # the stalled one was fenced: it can never serve an old epoch again
+    # The stalled one was fenced: it can never serve an old epoch again.
+    assert not alive(pid) and not alive(streamer)
+    if fault.startswith("streamer"):
+        assert f"rank {rank}: its streaming process exited (-9); exiting" in server.output
     assert traffic.errors == []
     assert len(traffic.results) > 12
     bad = [(p, text, reference[p]) for p, text, _, _ in traffic.results if text != reference[p]]

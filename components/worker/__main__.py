@@ -27,14 +27,10 @@ def main() -> None:
         baked(args.bake)
     else:
         # The step thread takes the GIL back after every CUDA call that released it; at the
-        # default 5 ms switch interval the serving loop, busy streaming a step's tokens, can make
-        # it wait that long each time, several times a step of under 2 ms.
+        # default 5 ms switch interval another thread of this process holding it (the control
+        # loop, the streams' reader) could make it wait that long, several times a step of under
+        # 2 ms. The streams themselves are served by a process of their own (stream_link.py).
         sys.setswitchinterval(2e-4)
-        # The serving loop streams every running sequence's token each step, a wake-up and a
-        # Dynamo item per stream; asyncio's loop runs that in Python under the GIL the step thread
-        # needs, libuv's in C (as Dynamo's own workers run it). One rank, 32 streaming clients
-        # (H100, 5.4 GiB Mixtral-shaped bf16): decode-only 6.9k -> 12.5k tok/s, ITL p50 4.5 ->
-        # 2.4 ms; 512-token prompts, 64 out: 6.1k -> 8.8k tok/s.
         uvloop.run(serve(args.rank, args.join))
 
 

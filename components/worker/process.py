@@ -25,9 +25,9 @@ from components.graph.component import (
 from components.graph.spawn import die_with_parent, graph_output
 from components.protocol.config import WorkerConfig
 from components.worker.component import OP_ENV, Worker, started_for
-from components.worker.presence import Presence
 from components.worker.restore import RestoreIdentity
 from components.worker.server import RankServer
+from components.worker.stream_link import StreamLink
 
 log = logging.getLogger("components.worker")
 
@@ -123,8 +123,6 @@ def watch_graph(
 
 async def serve(rank: int, join: bool, server: RankServer | None = None) -> None:
     """Run rank `rank`: built here, or `server`, restored from a snapshot image (engine built)."""
-    from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
-
     from components.graph.runtime import make_runtime
 
     ctx, _ = load_context()
@@ -139,6 +137,8 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
     else:
         start = functools.partial(server.go_live, time.perf_counter())
     parent = os.getppid()  # before loading: who started this process, however long loading takes
+    # Started first, it sets up (imports, a runtime) while the engine loads.
+    server.streams = StreamLink(rank)
     try:
         await asyncio.to_thread(start)
     except ValueError as e:  # the model or the configuration: the same on every rank, every retry
@@ -152,26 +152,12 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
         restored_watch(loop, rt.shutdown, rank)
     else:
         die_with_graph(loop, rt.shutdown, rank, parent)
-    server.gen_ep = rt.endpoint(f"{ctx.namespace}.worker.generate")
     server.ctl_ep = rt.endpoint(f"{ctx.namespace}.worker.control")
-    await register_model(
-        ModelInput.Tokens,
-        ModelType.Chat | ModelType.Completions,
-        server.gen_ep,
-        server.model_dir,
-        server.model_name,
-        worker_type=WorkerType.Aggregated,
-        # The card in the discovery store, where the frontend reads it: serving it from the
-        # worker needs a system port per process (DYN_SYSTEM_PORT), and Dynamo's default asks for
-        # that, warning and falling back to the store on every start.
-        self_host_metadata=False,
-    )
+    await server.streams.start(server.engine, server.model_dir, server.model_name)
     server.note(
         started_for(),
-        f"serving {server.model_name!r} (instance {server.gen_ep.connection_id():x}), waiting for the router",
+        f"serving {server.model_name!r} (instance {server.streams.instance_id:x}), waiting for the router",
     )
-    server.gen_client = await server.gen_ep.client()
-    server.presence = Presence(server.gen_ep, server.gen_client, server.generate)
     ctl = asyncio.ensure_future(server.ctl_ep.serve_endpoint(server.control))
     exit_wait = asyncio.ensure_future(server.exit.wait())
     try:
@@ -180,6 +166,7 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
             await asyncio.sleep(0.2)  # let the reply to Exit go out
             rt.shutdown()
     finally:
+        server.streams.stop()
         server.engine.stop()
         server.store.close()
         log.info("rank %d: stopped", rank)
@@ -194,10 +181,9 @@ def baked(spec_path: str) -> None:
 
     die_with_parent()  # the baker: a bake that failed leaves nothing behind
     # Imported before the dump, so that no copy pays for them (1-2 s here); importing them starts
-    # no thread and opens nothing.
-    import dynamo.llm  # noqa: F401
-
+    # no thread and opens nothing. (The streaming process a copy starts imports its own.)
     import components.graph.runtime  # noqa: F401
+    import components.worker.stream_link  # noqa: F401
 
     spec = msgspec.json.decode(Path(spec_path).read_bytes(), type=BakeSpec)
     server = RankServer(0, WorkerConfig(), None, join=True)

@@ -1,5 +1,5 @@
-"""A rank's server: the generate endpoint's streams (and their handover to another rank) and the
-control endpoint, one handler per message, over the engine and its weight store."""
+"""A rank's server: the control endpoint, one handler per message, over the engine, its weight
+store and its streams (the generate endpoint, served by the rank's streaming process: stream_link)."""
 
 from __future__ import annotations
 
@@ -46,13 +46,11 @@ from components.protocol.messages import (
     encode,
 )
 from components.worker.component import Faults, Worker, model_source, rank_config, started_for
-from components.worker.generate_request import to_request, usage
-from components.worker.outbox import Outbox
-from components.worker.presence import Presence
 from components.worker.rules import ANY_STATE, HOLDING_WEIGHTS, IN_COMMITS, RULES, StateError, allowed, handles, refusal
 
 if TYPE_CHECKING:
     from components.worker.restore import RestoreIdentity
+    from components.worker.stream_link import StreamLink
 
 log = logging.getLogger("components.worker")
 
@@ -67,14 +65,12 @@ class RankServer:
         self.pid = os.getpid()  # as the router sees it: a restored copy is told
         self.life = Lifecycle(rank)
         self.faults = Faults.from_env()
-        self.routable = asyncio.Event()
+        self.routable = False  # listed where the frontend routes to (by the streaming process)
         self.engine = None
         self.store = None
         self.stores_opened = 0
-        self.gen_ep = self.ctl_ep = self.gen_client = None
-        self.presence: Presence | None = None  # in routing or not: the generate endpoint's listing
-        self.streams: dict[str, asyncio.Queue] = {}  # request id -> its output queue
-        self.outbox: Outbox | None = None  # the step thread's outputs to them, on the serving loop
+        self.ctl_ep = None
+        self.streams: StreamLink | None = None  # the generate endpoint, in a process of its own
         self.exit = asyncio.Event()
 
     def load(self) -> None:
@@ -163,7 +159,7 @@ class RankServer:
         return RankStatus(
             rank=self.rank,
             pid=self.pid,
-            instance_id=self.gen_ep.connection_id(),
+            instance_id=self.streams.instance_id,
             metadata=e.comm.metadata(),
             model_identity=self.identity,
             num_experts=e.model_config.num_experts,
@@ -173,7 +169,7 @@ class RankServer:
             active=list(e.comm.active),
             connected=list(e.comm.connected),
             paused=e.paused,
-            routable=self.routable.is_set(),
+            routable=self.routable,
             steps=e.steps,
             state=self.life.state,
             load=[moe.load.tolist() for _, moe in e.model.moe_layers],
@@ -190,98 +186,6 @@ class RankServer:
             kv_used=e.sched.slots_used,
             kv_total=e.sched.max_seqs,
         )
-
-    async def generate(self, raw: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        from components.engine.request import RequestError
-
-        await self.routable.wait()
-        if (raw.get("stop_conditions") or {}).get("max_tokens") == 0:
-            # Dynamo's frontend refuses max_tokens 0 from a client (400), so this is its migration
-            # of a stream whose rank died after the last token went out but before the stream
-            # closed: it resends with max_tokens less the tokens it got (lib/llm/src/migration.rs)
-            # and nothing is left to generate. Refusing it would fail a request that had completed;
-            # an empty stream ends it with the client's one finish_reason, already sent.
-            return
-        if self.outbox is None:
-            self.outbox = Outbox(asyncio.get_running_loop())
-        post = self.outbox.post
-        out: asyncio.Queue = asyncio.Queue()
-        req = to_request(raw, self.engine.max_len)
-        try:
-            self.engine.submit(req, lambda o: post(out, o))
-        except RequestError as e:
-            # A request the engine cannot serve is the client's fault: Dynamo's frontend turns
-            # InvalidArgument into a 400 with this message (a finish_reason "error: ..." is a 500).
-            from dynamo.llm.exceptions import InvalidArgument
-
-            raise InvalidArgument(str(e)) from None
-        self.streams[req.request_id] = out
-        produced: list[int] = []
-        held = None  # a handover taken from the queue behind tokens sent first
-        try:
-            while True:
-                o, held = held or await out.get(), None
-                if isinstance(o, Handover):
-                    self.engine.cancel(req.request_id)
-                    log.info(
-                        "rank %d: handing request %s over to instance %x after %d tokens",
-                        self.rank,
-                        req.request_id,
-                        o.instance_id,
-                        len(produced),
-                    )
-                    async for chunk in self.hand_over(raw, req, produced, o.instance_id):
-                        yield chunk
-                    return
-                tokens, reason = list(o.token_ids), o.finish_reason
-                # Tokens that queued up while this stream waited go out as one chunk: a chunk costs
-                # the loop (and Dynamo's bridge) tens of microseconds whatever it holds, and with
-                # dozens of streams a step, a chunk per token would take the GIL from the step
-                # thread for longer than the step itself.
-                while not reason and not out.empty():
-                    nxt = out.get_nowait()
-                    if isinstance(nxt, Handover):
-                        held = nxt
-                        break
-                    tokens += nxt.token_ids
-                    reason = nxt.finish_reason
-                produced += tokens
-                chunk: dict[str, Any] = {"token_ids": tokens}
-                if reason:
-                    chunk["finish_reason"] = reason
-                    chunk["completion_usage"] = usage(len(req.prompt) - req.replay, req.replay + len(produced))
-                yield chunk
-                if reason:
-                    if self.faults.exit_after_finish:
-                        await asyncio.sleep(0.2)  # the last chunk goes out, the stream's end never does
-                        log.error("rank %d: injected fault: exiting after finishing %s", self.rank, req.request_id)
-                        os._exit(17)
-                    return
-        finally:
-            self.streams.pop(req.request_id, None)
-            self.engine.cancel(req.request_id)  # a client gone mid-stream; a no-op once finished
-
-    async def hand_over(
-        self, raw: dict[str, Any], req, produced: list[int], instance_id: int
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Continue a request on a remaining rank's generate instance: its prompt plus the tokens
-        so far go there, to be replayed as decode steps (GenerateRequest.replay), and its stream
-        comes back through this one, so the client never notices."""
-        stop = dict(raw.get("stop_conditions") or {})
-        stop["max_tokens"] = req.max_tokens - len(produced)
-        cont = {
-            **raw,
-            "token_ids": list(req.prompt) + produced,
-            "stop_conditions": stop,
-            "replay": req.replay + len(produced),
-        }
-        n = req.replay + len(produced)
-        async for item in await self.gen_client.direct(cont, instance_id):
-            chunk = dict(item.data())
-            n += len(chunk.get("token_ids") or [])
-            if chunk.get("finish_reason"):
-                chunk["completion_usage"] = usage(len(req.prompt) - req.replay, n)
-            yield chunk
 
     async def control(self, raw: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -389,13 +293,11 @@ class RankServer:
         {RankState.ACTIVE: RankState.LEAVING, RankState.LEAVING: RankState.ACTIVE},
     )
     async def on_set_routable(self, msg: SetRoutable) -> None:
+        await self.streams.route(msg.routable)
+        self.routable = msg.routable
         if not msg.routable:
-            await self.presence.leave()
-            self.routable.clear()
             self.advance(msg, RankState.LEAVING, "out of routing")
             return
-        await self.presence.enter()
-        self.routable.set()
         # A scale-down that aborts puts its leaving ranks back: they never left the active set.
         self.advance(msg, RankState.ACTIVE, "back into routing")
 
@@ -524,13 +426,15 @@ class RankServer:
     async def on_drain(self, msg: Drain) -> ControlReply:
         e = self.engine
         deadline = time.monotonic() + msg.timeout_s
-        while (e.sched.running or e.sched.waiting or self.streams) and time.monotonic() < deadline:
+        while (e.sched.running or e.sched.waiting or self.streams.open) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        handed = list(self.streams.values())
+        handed = list(self.streams.open)
         if handed and not msg.targets:
             raise ValueError(f"{len(handed)} request(s) left to hand over and no remaining rank to take them")
-        for i, q in enumerate(handed):
-            q.put_nowait(Handover(msg.targets[i % len(msg.targets)]))
+        for i, request_id in enumerate(handed):
+            target = msg.targets[i % len(msg.targets)]
+            self.note(msg.op, f"handing request {request_id} over to instance {target:x}")
+            self.streams.hand_over(request_id, target)
         log.info("[op %s] rank %d: drained; %d request(s) handed over", msg.op, self.rank, len(handed))
         return ControlReply(ok=True, handed_over=len(handed))
 
@@ -576,13 +480,7 @@ class RankServer:
     async def relays_finished(self, op: str) -> None:
         """Requests handed over still stream through this rank: let them finish (bounded)."""
         deadline = time.monotonic() + 300
-        if self.streams:
-            log.info("[op %s] rank %d: waiting for %d relayed stream(s)", op, self.rank, len(self.streams))
-        while self.streams and time.monotonic() < deadline:
+        if self.streams.open:
+            self.note(op, f"waiting for {len(self.streams.open)} relayed stream(s)")
+        while self.streams.open and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-
-
-class Handover(msgspec.Struct, frozen=True):
-    """Queued into a request's stream: continue it on this generate instance."""
-
-    instance_id: int

@@ -1,0 +1,141 @@
+"""The rank's end of its streaming process (streamer.py): started with the rank, handed the loaded
+model, sent each step's tokens from the step thread as one message, and read by a thread of its
+own that submits and cancels requests straight into the engine. Neither touches the rank's event
+loop, which the step thread would otherwise wait on for the GIL."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from components.worker import stream_wire as wire
+
+if TYPE_CHECKING:
+    from components.engine.rank import EngineRank
+    from components.engine.request import TokenOutput
+
+log = logging.getLogger("components.worker")
+
+EXIT_STREAMER_GONE = 71  # EX_OSERR: the process serving this rank's streams ended under it
+STOP_GRACE_S = 5.0
+
+
+class StreamLink:
+    def __init__(self, rank: int):
+        self.rank = rank
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Spawned from the main thread: the parent-death signal it sets fires when the thread
+        # that started it ends, and only this one lives as long as the process.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "components.worker.streamer", "--fd", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.sock = ours
+        self.file = ours.makefile("rb")
+        self.lock = threading.Lock()  # the step thread, the loop and the reader all send
+        self.instance_id = 0
+        self.open: set[str] = set()  # request ids whose streams have not closed yet
+        self.pending: list[TokenOutput] = []  # this step's outputs, step thread only
+        self.engine: EngineRank | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ready: asyncio.Future | None = None
+        self.routed: asyncio.Future | None = None
+        self.route_lock: asyncio.Lock | None = None
+        self.stopping = False
+
+    def send(self, msg: msgspec.Struct) -> None:
+        data = wire.frame(msg)
+        with self.lock:
+            self.sock.sendall(data)
+
+    async def start(self, engine: EngineRank, model_dir: str, model_name: str) -> None:
+        """Hand the streaming process the loaded model; returns once its endpoint is registered."""
+        self.engine, self.loop = engine, asyncio.get_running_loop()
+        self.ready, self.routed, self.route_lock = self.loop.create_future(), None, asyncio.Lock()
+        engine.on_released = self.flush
+        threading.Thread(target=self._read, name=f"streams-{self.rank}", daemon=True).start()
+        self.send(wire.Start(rank=self.rank, model_dir=model_dir, model_name=model_name, max_len=engine.max_len))
+        self.instance_id = await self.ready
+
+    def emit(self, out: TokenOutput) -> None:
+        self.pending.append(out)
+
+    def flush(self) -> None:
+        """After the step thread emitted a step's outputs: one message for all of them."""
+        if self.pending:
+            outputs, self.pending = self.pending, []
+            self.send(wire.Outputs(outputs))
+
+    async def route(self, routable: bool) -> None:
+        """In or out of routing, seen in discovery (the generate endpoint lives over there)."""
+        async with self.route_lock:
+            self.routed = self.loop.create_future()
+            self.send(wire.Route(routable))
+            error = await self.routed
+        if error:
+            raise RuntimeError(f"the generate endpoint could not {'enter' if routable else 'leave'} routing: {error}")
+
+    def hand_over(self, request_id: str, instance_id: int) -> None:
+        self.send(wire.Handover(request_id, instance_id))
+
+    def stop(self) -> None:
+        """End the streaming process: it unregisters its endpoint and exits (killed if it does not)."""
+        self.stopping = True
+        try:
+            self.send(wire.Stop())
+        except OSError:
+            pass
+        try:
+            self.proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def _read(self) -> None:
+        decoder = msgspec.msgpack.Decoder(wire.ToRank)
+        e = self.engine
+        while (msg := self._next(decoder)) is not None:
+            if isinstance(msg, wire.Submit):
+                self._submit(msg)
+            elif isinstance(msg, wire.Cancel):
+                e.cancel(msg.request_id)
+            elif isinstance(msg, wire.Closed):
+                self.open.discard(msg.request_id)
+                e.cancel(msg.request_id)  # a client gone mid-stream; a no-op once finished
+            elif isinstance(msg, wire.Ready):
+                self.loop.call_soon_threadsafe(self.ready.set_result, msg.instance_id)
+            elif isinstance(msg, wire.Routed):
+                self.loop.call_soon_threadsafe(self.routed.set_result, msg.error)
+        if self.stopping:
+            return
+        # Its streams are gone, so this rank serves nobody: exit, and the router fails it over
+        # (as when the step loop breaks) rather than keep a rank no request reaches.
+        code = self.proc.wait()
+        log.critical("rank %d: its streaming process exited (%s); exiting", self.rank, code)
+        logging.shutdown()
+        os._exit(EXIT_STREAMER_GONE)
+
+    def _next(self, decoder: msgspec.msgpack.Decoder):
+        header = self.file.read(wire.HEADER.size)
+        if len(header) < wire.HEADER.size:
+            return None
+        (n,) = wire.HEADER.unpack(header)
+        return decoder.decode(self.file.read(n))
+
+    def _submit(self, msg: wire.Submit) -> None:
+        from components.engine.request import RequestError
+
+        self.open.add(msg.req.request_id)
+        try:
+            self.engine.submit(msg.req, self.emit)
+        except RequestError as e:
+            self.send(wire.Refused(msg.req.request_id, str(e)))
