@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 
@@ -52,11 +52,16 @@ class StreamLink:
         self.routed: asyncio.Future | None = None
         self.route_lock: asyncio.Lock | None = None
         self.stopping = False
+        self.gone = threading.Lock()
 
     def send(self, msg: msgspec.Struct) -> None:
         data = wire.frame(msg)
-        with self.lock:
-            self.sock.sendall(data)
+        try:
+            with self.lock:
+                self.sock.sendall(data)
+        except OSError:  # its end closed: whichever thread finds out first ends the rank
+            if not self.stopping:
+                self._gone()
 
     async def start(self, engine: EngineRank, model_dir: str, model_name: str) -> None:
         """Hand the streaming process the loaded model; returns once its endpoint is registered."""
@@ -91,10 +96,7 @@ class StreamLink:
     def stop(self) -> None:
         """End the streaming process: it unregisters its endpoint and exits (killed if it does not)."""
         self.stopping = True
-        try:
-            self.send(wire.Stop())
-        except OSError:
-            pass
+        self.send(wire.Stop())
         try:
             self.proc.wait(STOP_GRACE_S)
         except subprocess.TimeoutExpired:
@@ -115,21 +117,33 @@ class StreamLink:
                 self.loop.call_soon_threadsafe(self.ready.set_result, msg.instance_id)
             elif isinstance(msg, wire.Routed):
                 self.loop.call_soon_threadsafe(self.routed.set_result, msg.error)
-        if self.stopping:
-            return
-        # Its streams are gone, so this rank serves nobody: exit, and the router fails it over
-        # (as when the step loop breaks) rather than keep a rank no request reaches.
-        code = self.proc.wait()
-        log.critical("rank %d: its streaming process exited (%s); exiting", self.rank, code)
+        if not self.stopping:
+            self._gone()
+
+    def _gone(self) -> NoReturn:
+        """The streaming process ended under this rank: its streams are gone, so the rank serves
+        nobody. Exit, and the router fails it over (as when the step loop breaks) rather than keep
+        a rank no request reaches."""
+        self.gone.acquire()  # once: a second thread to find out waits here for the exit
+        try:
+            how = f"exited ({self.proc.wait(STOP_GRACE_S)})"
+        except subprocess.TimeoutExpired:
+            how = "closed its socket"
+        log.critical("rank %d: its streaming process %s; exiting", self.rank, how)
         logging.shutdown()
         os._exit(EXIT_STREAMER_GONE)
 
     def _next(self, decoder: msgspec.msgpack.Decoder):
-        header = self.file.read(wire.HEADER.size)
-        if len(header) < wire.HEADER.size:
+        """The next message; None once the streaming process's end is closed."""
+        try:
+            header = self.file.read(wire.HEADER.size)
+            if len(header) < wire.HEADER.size:
+                return None
+            (n,) = wire.HEADER.unpack(header)
+            body = self.file.read(n)
+        except ConnectionResetError:  # it died with data of ours unread
             return None
-        (n,) = wire.HEADER.unpack(header)
-        return decoder.decode(self.file.read(n))
+        return decoder.decode(body) if len(body) == n else None
 
     def _submit(self, msg: wire.Submit) -> None:
         from components.engine.request import RequestError
