@@ -432,9 +432,7 @@ class RankServer:
         if handed and not msg.targets:
             raise ValueError(f"{len(handed)} request(s) left to hand over and no remaining rank to take them")
         for i, request_id in enumerate(handed):
-            target = msg.targets[i % len(msg.targets)]
-            self.note(msg.op, f"handing request {request_id} over to instance {target:x}")
-            self.streams.hand_over(request_id, target)
+            self.streams.hand_over(request_id, msg.targets[i % len(msg.targets)], msg.op)
         log.info("[op %s] rank %d: drained; %d request(s) handed over", msg.op, self.rank, len(handed))
         return ControlReply(ok=True, handed_over=len(handed))
 

@@ -90,8 +90,8 @@ class StreamLink:
         if error:
             raise RuntimeError(f"the generate endpoint could not {'enter' if routable else 'leave'} routing: {error}")
 
-    def hand_over(self, request_id: str, instance_id: int) -> None:
-        self.send(wire.Handover(request_id, instance_id))
+    def hand_over(self, request_id: str, instance_id: int, op: str) -> None:
+        self.send(wire.Handover(request_id, instance_id, op))
 
     def stop(self) -> None:
         """End the streaming process: it unregisters its endpoint and exits (killed if it does not)."""

@@ -36,10 +36,12 @@ class Refused(msgspec.Struct, tag=True):
 
 
 class Handover(msgspec.Struct, tag=True):
-    """Continue request `request_id` on the generate instance `instance_id` (a rank leaving)."""
+    """Continue request `request_id` on the generate instance `instance_id` (a rank leaving in
+    scale operation `op`)."""
 
     request_id: str
     instance_id: int
+    op: str
 
 
 class Route(msgspec.Struct, tag=True):

@@ -112,7 +112,7 @@ class Streamer:
                     raise InvalidArgument(o.error)
                 if isinstance(o, Handover):
                     self.send(Cancel(req.request_id))
-                    async for chunk in self.hand_over(raw, req, produced, o.instance_id):
+                    async for chunk in self.hand_over(raw, req, produced, o):
                         yield chunk
                     return
                 tokens, reason = list(o.token_ids), o.finish_reason
@@ -142,16 +142,17 @@ class Streamer:
             self.send(Closed(req.request_id))  # the engine cancels it: a no-op once finished
 
     async def hand_over(
-        self, raw: dict[str, Any], req, produced: list[int], instance_id: int
+        self, raw: dict[str, Any], req, produced: list[int], to: Handover
     ) -> AsyncIterator[dict[str, Any]]:
         """Continue a request on a remaining rank's generate instance: its prompt plus the tokens
         so far go there, to be replayed as decode steps (GenerateRequest.replay), and its stream
         comes back through this one, so the client never notices."""
         log.info(
-            "rank %d: handing request %s over to instance %x after %d tokens",
+            "[op %s] rank %d: handing request %s over to instance %x after %d tokens",
+            to.op,
             self.rank,
             req.request_id,
-            instance_id,
+            to.instance_id,
             len(produced),
         )
         stop = dict(raw.get("stop_conditions") or {})
@@ -163,7 +164,7 @@ class Streamer:
             "replay": req.replay + len(produced),
         }
         n = req.replay + len(produced)
-        async for item in await self.client.direct(cont, instance_id):
+        async for item in await self.client.direct(cont, to.instance_id):
             chunk = dict(item.data())
             n += len(chunk.get("token_ids") or [])
             if chunk.get("finish_reason"):
