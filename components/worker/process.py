@@ -153,11 +153,8 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
     else:
         die_with_graph(loop, rt.shutdown, rank, parent)
     server.ctl_ep = rt.endpoint(f"{ctx.namespace}.worker.control")
-    await server.streams.start(server.engine, server.model_dir, server.model_name)
-    server.note(
-        started_for(),
-        f"serving {server.model_name!r} (instance {server.streams.instance_id:x}), waiting for the router",
-    )
+    server.streams.start(server.engine, server.model_dir, server.model_name)
+    server.note(started_for(), f"serving {server.model_name!r}, waiting for the router")
     ctl = asyncio.ensure_future(server.ctl_ep.serve_endpoint(server.control))
     exit_wait = asyncio.ensure_future(server.exit.wait())
     try:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 import msgspec
 
 from components.worker import stream_wire as wire
+from components.worker.component import started_for
 
 if TYPE_CHECKING:
     from components.engine.rank import EngineRank
@@ -43,7 +44,7 @@ class StreamLink:
         self.sock = ours
         self.file = ours.makefile("rb")
         self.lock = threading.Lock()  # the step thread, the loop and the reader all send
-        self.instance_id = 0
+        self.instance_id = 0  # of the generate endpoint, once registered (Ready)
         self.open: set[str] = set()  # request ids whose streams have not closed yet
         self.pending: list[TokenOutput] = []  # this step's outputs, step thread only
         self.engine: EngineRank | None = None
@@ -63,14 +64,15 @@ class StreamLink:
             if not self.stopping:
                 self._gone()
 
-    async def start(self, engine: EngineRank, model_dir: str, model_name: str) -> None:
-        """Hand the streaming process the loaded model; returns once its endpoint is registered."""
+    def start(self, engine: EngineRank, model_dir: str, model_name: str) -> None:
+        """Hand the streaming process the loaded model. Its endpoint registers meanwhile (a fresh
+        interpreter's imports and runtime: 0.2 s on the 2-core CPU), overlapping the join's
+        weight pull and warmup, which need only the control endpoint: routing waits for it."""
         self.engine, self.loop = engine, asyncio.get_running_loop()
         self.ready, self.routed, self.route_lock = self.loop.create_future(), None, asyncio.Lock()
         engine.on_released = self.flush
         threading.Thread(target=self._read, name=f"streams-{self.rank}", daemon=True).start()
         self.send(wire.Start(rank=self.rank, model_dir=model_dir, model_name=model_name, max_len=engine.max_len))
-        self.instance_id = await self.ready
 
     def emit(self, out: TokenOutput) -> None:
         self.pending.append(out)
@@ -83,6 +85,7 @@ class StreamLink:
 
     async def route(self, routable: bool) -> None:
         """In or out of routing, seen in discovery (the generate endpoint lives over there)."""
+        await self.ready
         async with self.route_lock:
             self.routed = self.loop.create_future()
             self.send(wire.Route(routable))
@@ -114,7 +117,14 @@ class StreamLink:
                 self.open.discard(msg.request_id)
                 e.cancel(msg.request_id)  # a client gone mid-stream; a no-op once finished
             elif isinstance(msg, wire.Ready):
-                self.loop.call_soon_threadsafe(self.ready.set_result, msg.instance_id)
+                self.instance_id = msg.instance_id
+                log.info(
+                    "[op %s] rank %d: generate endpoint registered (instance %x)",
+                    started_for(),
+                    self.rank,
+                    msg.instance_id,
+                )
+                self.loop.call_soon_threadsafe(self.ready.set_result, None)
             elif isinstance(msg, wire.Routed):
                 self.loop.call_soon_threadsafe(self.routed.set_result, msg.error)
         if not self.stopping:
