@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from components.graph.component import Component, component_config, load_context
+from components.graph.component import LOG_FORMAT, Component, component_config, load_context
 from components.protocol.config import FrontendConfig
 from components.protocol.config import RouterConfig as ElasticRouterConfig
 from components.protocol.prompt import out_of_vocabulary
@@ -435,7 +435,7 @@ async def serve(cfg: FrontendConfig) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     cfg = component_config(FrontendConfig)
     asyncio.run(serve(cfg))
 

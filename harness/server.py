@@ -121,6 +121,18 @@ def pids_with_env(marker: str) -> set[int]:
     return found
 
 
+def streamer_of(pid: int) -> int:
+    """The streaming process of the rank process `pid` (its child serving `generate`)."""
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(pid):
+                if b"components.worker.streamer" in (d / "cmdline").read_bytes():
+                    return int(d.name)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    raise AssertionError(f"rank process {pid} has no streaming process")
+
+
 class Server:
     """The whole graph in a subprocess on free ports, with a private discovery directory."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from components.worker.component import FAULT_ENV
-from harness.server import Server, Traffic, alive, engine_reference, scale
+from harness.server import Server, Traffic, alive, engine_reference, scale, streamer_of
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
@@ -183,18 +183,6 @@ def test_a_failed_ranks_experts_are_served_by_their_replicas_and_rebuilt_from_pe
     assert traffic.errors == []
     assert len(traffic.results) > 12
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
-
-
-def streamer_of(pid: int) -> int:
-    """The streaming process of the rank process `pid` (its child serving `generate`)."""
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and (d / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(pid):
-                if b"components.worker.streamer" in (d / "cmdline").read_bytes():
-                    return int(d.name)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    raise AssertionError(f"rank process {pid} has no streaming process")
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP", "streamer SIGKILL"])

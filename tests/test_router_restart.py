@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from components.planner.service import parse_prometheus
-from harness.server import Server, Traffic, alive, engine_reference, gone_within, scale
+from harness.server import Server, Traffic, alive, engine_reference, gone_within, scale, streamer_of
 
 MAX_TOKENS = 24
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
@@ -64,6 +64,18 @@ def reference():
     return engine_reference(PROMPTS, MAX_TOKENS)
 
 
+def assert_output_moved(pid: int) -> None:
+    """The joiner `pid`'s output went through the killed router: it now writes where the graph
+    does (a log file here, which it must not share: /dev/null), having seen that router go; so
+    does its streaming process, told so by it."""
+    streamer = streamer_of(pid)
+    deadline = time.monotonic() + 10
+    while os.readlink(f"/proc/{streamer}/fd/2") != "/dev/null" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for proc in (pid, streamer):
+        assert os.readlink(f"/proc/{proc}/fd/1") == os.readlink(f"/proc/{proc}/fd/2") == "/dev/null", proc
+
+
 def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(server, reference):
     up = scale(server, 4)
     assert up["phase"] == "done", up  # ranks 2 and 3: joiners this router started
@@ -92,6 +104,8 @@ def test_the_router_killed_under_load_is_restarted_and_adopts_the_topology(serve
     assert {r: v["pid"] for r, v in ranks.items()} == pids  # no rank was replaced, none orphaned
     assert [ranks[r]["state"] for r in range(4)] == ["ACTIVE", "ACTIVE", "ACTIVE", "PARKED"]
     assert all(ranks[r]["routable"] for r in range(3))
+    for r in (2, 3):
+        assert_output_moved(pids[r])
     # Requests kept flowing while no router ran, and every one came back whole and exact.
     assert traffic.errors == []
     assert len(traffic.results) > served_before + 6
@@ -263,9 +277,7 @@ def test_a_restored_joiner_outlives_the_router_and_is_adopted(restoring, referen
     after = {r["rank"]: r for r in srv.topology()["ranks"]}
     assert after[1]["pid"] == pid and after[1]["started_from"] == "snapshot" and after[1]["state"] == "ACTIVE"
     assert alive(pid)
-    # Its output went through the killed router: it now writes where the graph does (a log file
-    # here, which it must not share: /dev/null), having seen that router go.
-    assert os.readlink(f"/proc/{pid}/fd/1") == os.readlink(f"/proc/{pid}/fd/2") == "/dev/null"
+    assert_output_moved(pid)
     assert traffic.errors == []
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
     assert gone_within(copy, 30)

@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from components.control.capacity import CapacityProvider, LocalProvider
 from components.control.journal import OpJournal, Tally
 from components.control.scaler import Scaler
-from components.graph.component import Component, component_config, load_context
+from components.graph.component import LOG_FORMAT, Component, component_config, load_context
 from components.protocol.config import RouterConfig, WorkerConfig
 from components.protocol.lifecycle import RankState
 from components.protocol.messages import (
@@ -783,7 +783,7 @@ async def serve() -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     asyncio.run(serve())
 
 

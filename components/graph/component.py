@@ -23,6 +23,8 @@ GRAPH_PID_ENV = "ELASTIC_EP_GRAPH_PID"
 # does not have): retrying or carrying on without it cannot help, so `dynamo serve` stops the
 # graph at once with the process's last log line, critical or not.
 EXIT_CANNOT_START = 78  # EX_CONFIG of sysexits.h
+# Every process's log lines; `dynamo serve` prefixes each with the process's label.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 C = TypeVar("C", bound=msgspec.Struct)
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import signal
 import stat
 import sys
 
-from components.graph.component import ProcessSpec
+from components.graph.component import LOG_FORMAT, ProcessSpec
 
 TAIL_LINES = 20
 # Dynamo pins its `request_span` target to trace (a request id then reaches every line), which
@@ -122,6 +123,16 @@ def graph_output(graph: int) -> int:
     except OSError:
         pass
     return os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+
+
+def write_output_to(fd: int, label: str) -> None:
+    """From now on write this process's output to `fd` (taken), each log line labelled as
+    `dynamo serve` labels a child's: for a process whose output's reader is gone."""
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for h in logging.getLogger().handlers:
+        h.setFormatter(logging.Formatter(f"[{label}] {LOG_FORMAT}"))
 
 
 async def spawn(spec: ProcessSpec, env: dict[str, str], with_parent: bool = True) -> Child:

@@ -50,7 +50,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from components.graph.component import Component, GraphContext, ProcessSpec, component_config, load_context
+from components.graph.component import LOG_FORMAT, Component, GraphContext, ProcessSpec, component_config, load_context
 from components.planner.router_client import RouterClient
 from components.protocol.config import FrontendConfig, RouterConfig, WorkerConfig
 from components.protocol.topology import ScaleMode, Topology
@@ -656,7 +656,7 @@ async def run_planner(svc: Any, port: int) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     asyncio.run(serve())
 
 

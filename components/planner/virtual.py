@@ -43,7 +43,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from components.graph.component import component_config, load_context
+from components.graph.component import LOG_FORMAT, component_config, load_context
 from components.planner.router_client import RouterClient
 from components.planner.service import Bounds, Planner, resolve, router_client, run_planner
 from components.protocol.config import WorkerConfig
@@ -285,7 +285,7 @@ async def serve() -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     asyncio.run(serve())
 
 

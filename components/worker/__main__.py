@@ -8,7 +8,8 @@ import sys
 
 import uvloop
 
-from components.worker.process import LOG_FORMAT, baked, serve
+from components.graph.component import LOG_FORMAT
+from components.worker.process import baked, serve
 
 
 def main() -> None:

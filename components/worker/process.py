@@ -22,7 +22,7 @@ from components.graph.component import (
     component_config,
     load_context,
 )
-from components.graph.spawn import die_with_parent, graph_output
+from components.graph.spawn import die_with_parent, graph_output, write_output_to
 from components.protocol.config import WorkerConfig
 from components.worker.component import OP_ENV, Worker, started_for
 from components.worker.restore import RestoreIdentity
@@ -32,13 +32,11 @@ from components.worker.stream_link import StreamLink
 log = logging.getLogger("components.worker")
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def die_with_graph(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], rank: int, parent: int) -> None:
+def die_with_graph(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], streams: StreamLink, parent: int) -> None:
     """Stop (`stop`) when `dynamo serve` is gone. A joiner outlives the router that started it
     (`parent`; a restarted router adopts it, capacity.py) but never the graph; its output went
-    through that router, so once the router is gone it goes to the graph's output itself."""
+    through that router, so once the router is gone it goes to the graph's output itself, and
+    so does its streaming process's (`streams`)."""
     graph = int(os.environ.get(GRAPH_PID_ENV) or 0)
     if not graph:
         return
@@ -54,10 +52,10 @@ def die_with_graph(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], ra
         parent_fd = os.pidfd_open(parent)
     except ProcessLookupError:
         parent_fd = -1
-    watch_graph(loop, stop, rank, graph_fd, parent_fd, lambda: graph_output(graph))
+    watch_graph(loop, stop, streams, graph_fd, parent_fd, lambda: graph_output(graph))
 
 
-def restored_watch(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], rank: int) -> None:
+def restored_watch(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], streams: StreamLink) -> None:
     """die_with_graph for a copy restored from a snapshot image: in its own PID namespace it
     cannot name the graph or the router by PID, so it takes the pidfds its namespace's init
     holds for it (snapshot.nsinit), and that init's descriptor on the graph's output."""
@@ -67,10 +65,10 @@ def restored_watch(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], ra
         init = os.pidfd_open(1)
         graph_fd, parent_fd = pidfd_getfd(init, GRAPH_FD), pidfd_getfd(init, PARENT_FD)
     except OSError as e:  # restored with no graph to die with (snapshot.criu_image.restore)
-        log.info("rank %d: no graph to watch (%s): dies with the process that restored it", rank, e)
+        log.info("rank %d: no graph to watch (%s): dies with the process that restored it", streams.rank, e)
         return
     out = f"/proc/1/fd/{OUTPUT_FD}"
-    watch_graph(loop, stop, rank, graph_fd, parent_fd, lambda: os.open(out, os.O_WRONLY))
+    watch_graph(loop, stop, streams, graph_fd, parent_fd, lambda: os.open(out, os.O_WRONLY))
 
 
 def pidfd_getfd(pidfd: int, fd: int) -> int:
@@ -88,7 +86,7 @@ def pidfd_getfd(pidfd: int, fd: int) -> int:
 def watch_graph(
     loop: asyncio.AbstractEventLoop,
     stop: Callable[[], None],
-    rank: int,
+    streams: StreamLink,
     graph_fd: int,
     parent_fd: int,
     open_output: Callable[[], int],
@@ -102,12 +100,10 @@ def watch_graph(
             fd = open_output()
         except OSError:
             fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        for h in logging.getLogger().handlers:  # labelled as `dynamo serve` would have
-            h.setFormatter(logging.Formatter(f"[Worker.{rank}] {LOG_FORMAT}"))
-        log.info("rank %d: the router that started this joiner is gone; serving on", rank)
+        label = f"Worker.{streams.rank}"
+        write_output_to(fd, label)
+        streams.output_moved(label)
+        log.info("rank %d: the router that started this joiner is gone; serving on", streams.rank)
 
     if parent_fd < 0:
         parent_gone()
@@ -149,9 +145,9 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, rt.shutdown)
     if restored:  # in another PID namespace
-        restored_watch(loop, rt.shutdown, rank)
+        restored_watch(loop, rt.shutdown, server.streams)
     else:
-        die_with_graph(loop, rt.shutdown, rank, parent)
+        die_with_graph(loop, rt.shutdown, server.streams, parent)
     server.ctl_ep = rt.endpoint(f"{ctx.namespace}.worker.control")
     server.streams.start(server.engine, server.model_dir, server.model_name)
     server.note(started_for(), f"serving {server.model_name!r}, waiting for the router")
@@ -163,7 +159,7 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
             await asyncio.sleep(0.2)  # let the reply to Exit go out
             rt.shutdown()
     finally:
-        server.streams.stop()
+        await server.streams.stop()
         server.engine.stop()
         server.store.close()
         log.info("rank %d: stopped", rank)

@@ -42,7 +42,6 @@ class StreamLink:
         )
         theirs.close()
         self.sock = ours
-        self.file = ours.makefile("rb")
         self.lock = threading.Lock()  # the step thread, the loop and the reader all send
         self.instance_id = 0  # of the generate endpoint, once registered (Ready)
         self.open: set[str] = set()  # request ids whose streams have not closed yet
@@ -96,39 +95,48 @@ class StreamLink:
     def hand_over(self, request_id: str, instance_id: int, op: str) -> None:
         self.send(wire.Handover(request_id, instance_id, op))
 
-    def stop(self) -> None:
+    def output_moved(self, label: str) -> None:
+        self.send(wire.OutputMoved(label))
+
+    async def stop(self) -> None:
         """End the streaming process: it unregisters its endpoint and exits (killed if it does not)."""
         self.stopping = True
         self.send(wire.Stop())
         try:
-            self.proc.wait(STOP_GRACE_S)
+            await asyncio.to_thread(self.proc.wait, STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
 
     def _read(self) -> None:
-        decoder = msgspec.msgpack.Decoder(wire.ToRank)
-        e = self.engine
-        while (msg := self._next(decoder)) is not None:
-            if isinstance(msg, wire.Submit):
-                self._submit(msg)
-            elif isinstance(msg, wire.Cancel):
-                e.cancel(msg.request_id)
-            elif isinstance(msg, wire.Closed):
-                self.open.discard(msg.request_id)
-                e.cancel(msg.request_id)  # a client gone mid-stream; a no-op once finished
-            elif isinstance(msg, wire.Ready):
-                self.instance_id = msg.instance_id
-                log.info(
-                    "[op %s] rank %d: generate endpoint registered (instance %x)",
-                    started_for(),
-                    self.rank,
-                    msg.instance_id,
-                )
-                self.loop.call_soon_threadsafe(self.ready.set_result, None)
-            elif isinstance(msg, wire.Routed):
-                self.loop.call_soon_threadsafe(self.routed.set_result, msg.error)
+        frames = wire.Frames(wire.ToRank)
+        while True:
+            try:
+                data = self.sock.recv(wire.READ_SIZE)
+            except ConnectionResetError:  # it died with data of ours unread
+                data = b""
+            if not data:
+                break
+            for msg in frames.feed(data):
+                self._handle(msg)
         if not self.stopping:
             self._gone()
+
+    def _handle(self, msg: wire.ToRank) -> None:
+        if isinstance(msg, wire.Submit):
+            self._submit(msg)
+        elif isinstance(msg, wire.Cancel):
+            self.engine.cancel(msg.request_id)
+        elif isinstance(msg, wire.Closed):
+            self.open.discard(msg.request_id)
+            self.engine.cancel(msg.request_id)  # a client gone mid-stream; a no-op once finished
+        elif isinstance(msg, wire.Ready):
+            self.instance_id = msg.instance_id
+            log.info(
+                "[op %s] rank %d: generate endpoint registered (instance %x)", started_for(), self.rank, msg.instance_id
+            )
+            self.loop.call_soon_threadsafe(self.ready.set_result, None)
+        elif isinstance(msg, wire.Routed):
+            self.loop.call_soon_threadsafe(self.routed.set_result, msg.error)
 
     def _gone(self) -> NoReturn:
         """The streaming process ended under this rank: its streams are gone, so the rank serves
@@ -142,18 +150,6 @@ class StreamLink:
         log.critical("rank %d: its streaming process %s; exiting", self.rank, how)
         logging.shutdown()
         os._exit(EXIT_STREAMER_GONE)
-
-    def _next(self, decoder: msgspec.msgpack.Decoder):
-        """The next message; None once the streaming process's end is closed."""
-        try:
-            header = self.file.read(wire.HEADER.size)
-            if len(header) < wire.HEADER.size:
-                return None
-            (n,) = wire.HEADER.unpack(header)
-            body = self.file.read(n)
-        except ConnectionResetError:  # it died with data of ours unread
-            return None
-        return decoder.decode(body) if len(body) == n else None
 
     def _submit(self, msg: wire.Submit) -> None:
         from components.engine.request import RequestError

@@ -4,6 +4,7 @@ length-prefixed msgpack frames over a Unix socket pair, decoded with the same ty
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import msgspec
 
@@ -54,6 +55,13 @@ class Stop(msgspec.Struct, tag=True):
     """The rank is ending: unregister and exit."""
 
 
+class OutputMoved(msgspec.Struct, tag=True):
+    """The rank's output goes elsewhere now (the router that relayed it is gone): write where the
+    rank's stdout does, labelled as it is. May come before Start."""
+
+    label: str
+
+
 # ---- streamer -> rank ---------------------------------------------------------------------------
 class Ready(msgspec.Struct, tag=True):
     """Serving's set up (the model registered): the generate instance the router routes to."""
@@ -83,12 +91,36 @@ class Routed(msgspec.Struct, tag=True):
     error: str = ""
 
 
-ToStreamer = Start | Outputs | Refused | Handover | Route | Stop
+ToStreamer = Start | Outputs | Refused | Handover | Route | Stop | OutputMoved
 ToRank = Ready | Submit | Cancel | Closed | Routed
 
 _encoder = msgspec.msgpack.Encoder()
+READ_SIZE = 1 << 16  # what either end asks its socket for at a time: every frame it holds
 
 
 def frame(msg: msgspec.Struct) -> bytes:
     payload = _encoder.encode(msg)
     return HEADER.pack(len(payload)) + payload
+
+
+class Frames:
+    """The messages of one direction, decoded as the bytes arrive, whatever their pieces: the
+    rank's reader thread and the streamer's loop both feed it what their socket gave them."""
+
+    def __init__(self, type: Any):
+        self.decoder = msgspec.msgpack.Decoder(type)
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self.buf += data
+        msgs, at = [], 0
+        with memoryview(self.buf) as view:
+            while len(view) - at >= HEADER.size:
+                (n,) = HEADER.unpack_from(view, at)
+                end = at + HEADER.size + n
+                if end > len(view):
+                    break
+                msgs.append(self.decoder.decode(view[at + HEADER.size : end]))
+                at = end
+        del self.buf[:at]
+        return msgs

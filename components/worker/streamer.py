@@ -25,16 +25,18 @@ from typing import Any
 import msgspec
 import uvloop
 
-from components.graph.component import load_context
-from components.graph.spawn import die_with_parent
+from components.graph.component import LOG_FORMAT, load_context
+from components.graph.spawn import die_with_parent, write_output_to
 from components.worker.component import Faults
 from components.worker.generate_request import to_request, usage
 from components.worker.presence import Presence
 from components.worker.stream_wire import (
-    HEADER,
+    READ_SIZE,
     Cancel,
     Closed,
+    Frames,
     Handover,
+    OutputMoved,
     Outputs,
     Ready,
     Refused,
@@ -172,13 +174,24 @@ class Streamer:
             yield chunk
 
 
-async def read(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder) -> Any:
-    """The next message; None once the rank's end is closed."""
-    try:
-        (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-        return decoder.decode(await reader.readexactly(n))
-    except asyncio.IncompleteReadError:
-        return None
+async def messages(reader: asyncio.StreamReader) -> AsyncIterator[ToStreamer]:
+    """The rank's messages, until its end is closed."""
+    frames = Frames(ToStreamer)
+    while True:
+        try:
+            data = await reader.read(READ_SIZE)
+        except ConnectionResetError:
+            return
+        if not data:
+            return
+        for msg in frames.feed(data):
+            yield msg
+
+
+def output_moved(msg: OutputMoved) -> None:
+    """Write where the rank's stdout goes now: its descriptor opened anew through /proc (a pipe
+    or /dev/null, never a shared regular file: spawn.graph_output)."""
+    write_output_to(os.open(f"/proc/{os.getppid()}/fd/1", os.O_WRONLY | os.O_CLOEXEC), msg.label)
 
 
 async def serve(fd: int) -> None:
@@ -188,9 +201,12 @@ async def serve(fd: int) -> None:
 
     sock = socket.socket(fileno=fd)
     reader, writer = await asyncio.open_unix_connection(sock=sock)
-    decoder = msgspec.msgpack.Decoder(ToStreamer)
-    start = await read(reader, decoder)
-    if not isinstance(start, Start):
+    rank = messages(reader)
+    async for start in rank:
+        if isinstance(start, Start):
+            break
+        output_moved(start)
+    else:
         return  # the rank ended before it loaded
     ctx, _ = load_context()
     loop = asyncio.get_running_loop()
@@ -213,7 +229,7 @@ async def serve(fd: int) -> None:
     s.presence = Presence(ep, s.client, s.generate)
     s.send(Ready(ep.connection_id()))
     routing: set[asyncio.Task] = set()
-    while (msg := await read(reader, decoder)) is not None:
+    async for msg in rank:
         if isinstance(msg, Route):
             task = asyncio.create_task(s.route(msg.routable))
             routing.add(task)
@@ -221,6 +237,8 @@ async def serve(fd: int) -> None:
         elif isinstance(msg, Stop):
             rt.shutdown()
             return
+        elif isinstance(msg, OutputMoved):
+            output_moved(msg)
         else:
             s.deliver(msg)
     # The rank is gone without a word (killed, or failed): so are its streams. Ending now drops
@@ -232,7 +250,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description="A rank's generate endpoint (started by the rank's process).")
     p.add_argument("--fd", type=int, required=True, help="this end of the socket pair to the rank")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     die_with_parent(signal.SIGKILL)
     # A signal to the rank's process group (the graph stopping it) is the rank's to act on: it
     # stops this process once its own endpoints are down.

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from components.graph.component import component_config, load_context
+from components.graph.component import LOG_FORMAT, component_config, load_context
 from tests.graphs.echo import EchoWorker
 
 log = logging.getLogger("tests.echo_worker")
@@ -138,7 +138,7 @@ async def serve() -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     asyncio.run(serve())
 
 
