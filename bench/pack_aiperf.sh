@@ -4,8 +4,8 @@
 # .aiperf-packages), in parts of under 60 MiB each so that one device call can carry one part:
 #   DIR/pN/*.whl.xz: cp312 manylinux wheels, re-zipped without compression, then xz'd (the
 #                  wheels' own deflate would leave xz little to find)
-#   DIR/install.sh: on that machine `bash DIR/install.sh` installs every part present into
-#                  /tmp/aiperf-site (pip --no-index --no-deps --target), one part at a time works too.
+#   DIR/install.sh: on that machine `bash DIR/install.sh [pN ...]` installs the parts named (default:
+#                  every part present) into /tmp/aiperf-site (pip --no-index --no-deps --target).
 # Then: python -m bench.slo --aiperf "env PYTHONPATH=/tmp/aiperf-site python3 -m aiperf" ...
 # aiperf gets a site of its own (PYTHONPATH for its process alone): its prometheus-client pin
 # conflicts with the project's (see bench/requirements-aiperf.txt). About 8 minutes of CPU (xz).
@@ -18,8 +18,14 @@ rm -rf "$D"; mkdir -p "$D/dl" "$D/stored"
 plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 python3 -m pip download -q --only-binary=:all: --python-version "$PYV" --implementation cp $plat \
     -d "$D/dl" -r "$here/requirements-aiperf.txt"
-# Never torch or CUDA: the GPU machine has its own (aiperf does not import torch).
+# Never torch or CUDA: the GPU machine has its own (aiperf does not import torch). Nor what aiperf
+# needs only for plots, parquet exports, sweeps and its operator (bench.serve ran without them on
+# the CPU, 2026-12-07): two parts instead of three, one device call less to install.
 rm -f "$D"/dl/torch-*.whl "$D"/dl/triton-*.whl "$D"/dl/nvidia_*.whl
+for unused in pyarrow scipy dash dash_bootstrap_components plotly matplotlib fonttools kaleido sqlalchemy \
+    optuna alembic datasets; do
+    rm -f "$D/dl/$unused"-*.whl
+done
 python3 - "$D/dl" "$D/stored" <<'PY'
 import sys, zipfile
 from pathlib import Path
@@ -47,14 +53,16 @@ cat > "$D/install.sh" <<'INSTALL'
 #!/usr/bin/env bash
 # Installs each part beside this script into /tmp/aiperf-site; run with PYTHONPATH=/tmp/aiperf-site.
 set -euo pipefail
+# `bash install.sh p1` installs part p1 alone (a device call carries one part at a time).
 here=$(cd "$(dirname "$0")" && pwd); mkdir -p /tmp/aiperf-site
-for p in "$here"/p*/; do
+parts=("$@"); [[ $# -gt 0 ]] || parts=($(cd "$here" && ls -d p*))
+for p in "${parts[@]}"; do
     t=$(mktemp -d)
-    for w in "$p"*.whl.xz; do xz -d -T0 -c "$w" > "$t/$(basename "${w%.xz}")"; done
+    for w in "$here/$p"/*.whl.xz; do xz -d -T0 -c "$w" > "$t/$(basename "${w%.xz}")"; done
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/aiperf-site --upgrade "$t"/*.whl
-    rm -rf "$t"; echo "installed $(basename "$p")"
+    rm -rf "$t"; echo "installed $p"
 done
-PYTHONPATH=/tmp/aiperf-site python3 -m aiperf --version
+PYTHONPATH=/tmp/aiperf-site python3 -m aiperf --version || echo "aiperf not importable yet (parts missing?)"
 INSTALL
 chmod +x "$D/install.sh"
 du -sh "$D"/p*; du -sh "$D"
