@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packs aiperf (bench/requirements-aiperf.txt) and its dependencies for a machine that has no
 # package index (the GPU machine: python 3.12, torch and CUDA already there) into DIR (default
-# .aiperf-packages), in parts of under 60 MiB each so that one device call can carry one part:
+# .aiperf-packages), in parts of under 44 MiB each so that one device call can carry one part
+# beside the working tree and what the run needs (a call carries 64 MiB in all):
 #   DIR/pN/*.whl.xz: cp312 manylinux wheels, re-zipped without compression, then xz'd (the
 #                  wheels' own deflate would leave xz little to find)
 #   DIR/install.sh: on that machine `bash DIR/install.sh [pN ...]` installs the parts named (default:
@@ -12,7 +13,7 @@
 set -euo pipefail
 D=${1:-.aiperf-packages}
 PYV=${PYV:-3.12}
-PART_MIB=${PART_MIB:-60}
+PART_MIB=${PART_MIB:-44}
 here=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$D"; mkdir -p "$D/dl" "$D/stored"
 plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
