@@ -9,7 +9,7 @@
 #                  every part present) into /tmp/aiperf-site (pip --no-index --no-deps --target).
 # Then: python -m bench.slo --aiperf "env PYTHONPATH=/tmp/aiperf-site python3 -m aiperf" ...
 # aiperf gets a site of its own (PYTHONPATH for its process alone): its prometheus-client pin
-# conflicts with the project's (see bench/requirements-aiperf.txt). About 8 minutes of CPU (xz).
+# conflicts with the project's (see bench/requirements-aiperf.txt). About 3 minutes on 2 cores (xz).
 set -euo pipefail
 D=${1:-.aiperf-packages}
 PYV=${PYV:-3.12}
@@ -21,7 +21,7 @@ python3 -m pip download -q --only-binary=:all: --python-version "$PYV" --impleme
     -d "$D/dl" -r "$here/requirements-aiperf.txt"
 # Never torch or CUDA: the GPU machine has its own (aiperf does not import torch). Nor what aiperf
 # needs only for plots, parquet exports, sweeps and its operator (bench.serve ran without them on
-# the CPU, 2026-12-07): two parts instead of three, one device call less to install.
+# the CPU and on an H100, 2026-12-07): 68 MB instead of 146, one device call less to install.
 rm -f "$D"/dl/torch-*.whl "$D"/dl/triton-*.whl "$D"/dl/nvidia_*.whl
 for unused in pyarrow scipy dash dash_bootstrap_components plotly matplotlib fonttools kaleido sqlalchemy \
     optuna alembic datasets; do
@@ -52,9 +52,9 @@ done
 rm -rf "$D/dl" "$D/stored"
 cat > "$D/install.sh" <<'INSTALL'
 #!/usr/bin/env bash
-# Installs each part beside this script into /tmp/aiperf-site; run with PYTHONPATH=/tmp/aiperf-site.
+# Installs the parts named (`bash install.sh p1`: a device call carries one part at a time; none
+# named: every part beside this script) into /tmp/aiperf-site; run with PYTHONPATH=/tmp/aiperf-site.
 set -euo pipefail
-# `bash install.sh p1` installs part p1 alone (a device call carries one part at a time).
 here=$(cd "$(dirname "$0")" && pwd); mkdir -p /tmp/aiperf-site
 parts=("$@"); [[ $# -gt 0 ]] || parts=($(cd "$here" && ls -d p*))
 for p in "${parts[@]}"; do
