@@ -18,6 +18,11 @@
 # join:     bench.join on that model: a cold joiner against one restored from a CUDA snapshot, by
 #           phase and step (needs CRIU: ELASTIC_EP_CRIU), and what fills the image.
 # restore:  bench.criu_restore: CRIU restore time by image size beside this machine's first-touch floor.
+# traffic:  prompts mixed with decodes through the served graph on that model, one rank, 32
+#           slots: bench.ttft (lone 128 and 1024-token prompts, 32 x 1024 at once), bench.serve (32
+#           clients, 512 in, 64 out; aiperf from $BENCH_AIPERF, see bench/pack_aiperf.sh),
+#           bench.consistency across 1 -> 2 -> 1 ($PHASE_S seconds a size, default 15). Needs
+#           `dynamo` beside $PY.
 # Results go to $OUT (default bench/results). Needs torch with CUDA, and nixl-cu13, msgspec and
 # ai-dynamo-runtime importable.
 set -uo pipefail
@@ -79,9 +84,18 @@ for step in "$@"; do
         [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
         $PY -m bench.join --device cuda --model /tmp/mxl --dtype bfloat16 --max-seqs 8 \
             --out "$OUT/join_cuda_h200_mxl.json" || rc=1 ;;
+    traffic)
+        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        m="--Worker.model=/tmp/mxl --Worker.device=cuda --Worker.dtype=bfloat16 --Worker.max_seqs=32"
+        $PY -m bench.ttft --lengths 128,1024 --burst 32 --burst-len 1024 --out "$OUT/ttft_h200.json" \
+            -- $m --Worker.max_ranks=1 --Worker.dp_size=1 || rc=1
+        $PY -m bench.serve --max-seqs 32 --concurrency 32 --isl 512 --osl 64 --sigma 0 --requests 320 \
+            --model /tmp/mxl --device cuda --dtype bfloat16 --out "$OUT/serve_h200.json" || rc=1
+        $PY -m bench.consistency --phase-s "${PHASE_S:-15}" --out "$OUT/consistency_h200.json" \
+            -- $m --Worker.max_ranks=2 || rc=1 ;;
     restore)
         $PY -m bench.criu_restore --out "$OUT/criu_restore_h200.json" || rc=1 ;;
-    *) echo "unknown step $step (tests, pull, scale, handover, decode, step, deepseek, attention, join, restore)"; exit 2 ;;
+    *) echo "unknown step $step (tests, pull, scale, handover, decode, step, deepseek, attention, join, restore, traffic)"; exit 2 ;;
     esac
 done
 exit $rc

@@ -28,8 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([env_tool("dynamo"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run_cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [env_tool("dynamo"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def alive(pid: int) -> bool:
@@ -278,6 +280,39 @@ def test_a_rank_that_cannot_start_stops_the_graph_with_its_reason(tmp_path) -> N
     assert r.returncode == 1, r.stdout + r.stderr
     assert re.search(
         r"^dynamo serve: Worker\.[01] cannot start: max_len 100000 exceeds the model's 4096 positions; "
+        r"stopping the graph$",
+        r.stderr,
+        re.M,
+    ), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_a_device_that_is_not_one_is_refused_at_start(tmp_path) -> None:
+    r = run_cli("serve", "graphs/elastic:Frontend", "--discovery-dir", str(tmp_path), "--Worker.device=gpu")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert """invalid config for Worker: device must be "cpu", "cuda" or "cuda:N" (got 'gpu')""" in r.stderr
+    assert "started" not in r.stdout + r.stderr
+
+
+def test_cuda_where_none_is_usable_stops_the_graph_with_its_reason(tmp_path) -> None:
+    """--Worker.device=cuda where the ranks see no GPU (none is visible to them on any machine
+    here): they say why they cannot start, not torch's error from its first CUDA call."""
+    r = run_cli(
+        "serve",
+        "graphs/elastic:Frontend",
+        "--discovery-dir",
+        str(tmp_path),
+        "--Worker.device=cuda",
+        f"--Frontend.port={free_port()}",
+        f"--Router.port={free_port()}",
+        "--Planner.enabled=false",
+        timeout=150,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert re.search(
+        r"^dynamo serve: Worker\.[01] cannot start: device cuda: (this torch \(.+\) is built without CUDA|"
+        r"no CUDA device is visible \(CUDA_VISIBLE_DEVICES=\)); --Worker\.device=cpu runs on the CPU; "
         r"stopping the graph$",
         r.stderr,
         re.M,

@@ -158,10 +158,21 @@ def _free_memory(device: torch.device) -> int:
 
 
 def rank_device(device: str, rank: int) -> str:
-    """Where rank `rank` runs: "cuda" spreads ranks over the visible GPUs (rank r on GPU r % n)."""
-    if device == "cuda":
-        return f"cuda:{rank % max(1, torch.cuda.device_count())}"
-    return device
+    """Where rank `rank` runs: "cuda" spreads ranks over the visible GPUs (rank r on GPU r % n).
+    A CUDA device this process cannot use is a ValueError that says why, so the rank cannot start
+    with that reason rather than fail inside torch's first CUDA call."""
+    if not device.startswith("cuda"):
+        return device
+    n = torch.cuda.device_count()
+    if torch.version.cuda is None:
+        why = f"this torch ({torch.__version__}) is built without CUDA"
+    elif n == 0:
+        why = f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+    elif device != "cuda" and int(device.split(":")[1]) >= n:
+        why = f"{n} CUDA device{'s' if n > 1 else ''} visible"
+    else:
+        return f"cuda:{rank % n}" if device == "cuda" else device
+    raise ValueError(f"device {device}: {why}; --Worker.device=cpu runs on the CPU")
 
 
 def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, timeout_s: float = 30.0):

@@ -59,6 +59,8 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     net_devices: str = "lo"
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f'device must be "cpu", "cuda" or "cuda:N" (got {self.device!r})')
         if self.ep_transport not in EP_TRANSPORTS:
             raise ValueError(f"ep_transport must be one of {', '.join(EP_TRANSPORTS)}")
         if not re.fullmatch(r"[A-Za-z0-9_.:\-]+(,[A-Za-z0-9_.:\-]+)*", self.net_devices):
