@@ -32,6 +32,9 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 suffix=$([ "$gpus" -gt 1 ] && echo "_x$gpus" || echo "")
 rc=0
+mxl() {  # the 5.4 GiB Mixtral-shaped model most steps run (/tmp/mxl), built by the first
+    [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+}
 for step in "$@"; do
     echo "=== $step ($gpus GPUs) $(date -u +%T)"
     case $step in
@@ -47,17 +50,17 @@ for step in "$@"; do
         fi
         $PY -m bench.checksum --gb 8 --out "$OUT/checksum_h200.json" || rc=1 ;;
     scale)
-        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        mxl
         modes=${MODES:-A,B,C}
         restart=$([[ $modes == *C* ]] || echo --no-restart)
         $PY -m bench.scale --modes "$modes" $restart --out "$OUT/scale_h200${suffix}_${modes//,/}.json" -- --Worker.model=/tmp/mxl \
             --Worker.device=cuda --Worker.dtype=bfloat16 --Worker.min_ranks=2 --Worker.max_seqs=8 \
             --Worker.vmm=true --Router.checkpoint_parked=true --Router.prepare_timeout_s=300 || rc=1 ;;
     handover)
-        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        mxl
         $PY -m bench.handover --model /tmp/mxl --out "$OUT/handover_h200.json" || rc=1 ;;
     decode)
-        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        mxl
         ranks=$([ "$gpus" -gt 1 ] && echo 1,2 || echo 1)
         $PY -m bench.decode --device cuda --model /tmp/mxl --ranks $ranks --batch 32,64 --gen-len 256 \
             --out "$OUT/decode_h200${suffix}.json" || rc=1
@@ -70,7 +73,7 @@ for step in "$@"; do
             unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
         fi ;;
     step)
-        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        mxl
         $PY -m bench.step --model /tmp/mxl --out "$OUT/step_h200.json" || rc=1 ;;
     deepseek)
         [ -d /tmp/dsv3 ] || $PY -m bench.deepseek_like /tmp/dsv3 || rc=1
@@ -81,11 +84,11 @@ for step in "$@"; do
     attention)
         $PY -m bench.attention --out "$OUT/attention_h200.json" || rc=1 ;;
     join)
-        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        mxl
         $PY -m bench.join --device cuda --model /tmp/mxl --dtype bfloat16 --max-seqs 8 \
             --out "$OUT/join_cuda_h200_mxl.json" || rc=1 ;;
     traffic)
-        [ -d /tmp/mxl ] || $PY -m bench.mixtral_like /tmp/mxl --layers 2 || rc=1
+        mxl
         m="--Worker.model=/tmp/mxl --Worker.device=cuda --Worker.dtype=bfloat16 --Worker.max_seqs=32"
         $PY -m bench.ttft --lengths 128,1024 --burst 32 --burst-len 1024 --out "$OUT/ttft_h200.json" \
             -- $m --Worker.max_ranks=1 --Worker.dp_size=1 || rc=1

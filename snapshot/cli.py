@@ -14,6 +14,8 @@ import re
 import sys
 from pathlib import Path
 
+from components.protocol.config import DEVICES
+
 PROG = "snapshot-bake"
 # Bounds far above any real deployment, low enough that a slip (a few zeros too many) is refused at
 # once instead of running into an allocation that fails, or exhausts the machine.
@@ -92,13 +94,13 @@ def cmd_bake(a) -> int:
             check_creatable(a.root or default_root())
     except SnapshotError as e:
         raise UsageError(str(e)) from None
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
+    if not re.fullmatch(DEVICES, a.device):
         raise UsageError(f"--device must be cpu, cuda or cuda:N, not {a.device!r}")
     if a.device.startswith("cuda"):
-        import torch
+        from components.engine.rank import cuda_unusable
 
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA GPU is available on this machine")
+        if why := cuda_unusable(a.device):
+            raise UsageError(f"--device {a.device}: {why}")
     if not 1 <= a.min_ranks <= a.max_ranks:
         raise UsageError(f"--min-ranks ({a.min_ranks}) must be in 1..--max-ranks ({a.max_ranks})")
     from components.engine.models.checkpoint import CheckpointError

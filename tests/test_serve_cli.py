@@ -263,20 +263,27 @@ def test_dynamo_without_subcommand_is_usage_error() -> None:
     assert r.returncode == 2 and "a graph is required" in r.stderr
 
 
-def test_a_rank_that_cannot_start_stops_the_graph_with_its_reason(tmp_path) -> None:
-    """Not a router waiting 300 s for ranks that will never come: the first rank that cannot start
-    stops everything, and its one-line reason is the last thing `dynamo serve` says about it."""
-    r = run_cli(
+def serve_to_its_end(tmp_path: Path, *options: str, env: dict[str, str] | None = None):
+    """`dynamo serve` of the elastic graph on free ports, without the planner, until it stops: a
+    configuration it cannot serve. The 150 s bound is below the router's 300 s bootstrap timeout."""
+    return run_cli(
         "serve",
         "graphs/elastic:Frontend",
         "--discovery-dir",
         str(tmp_path),
-        "--Worker.max_len=100000",
+        *options,
         f"--Frontend.port={free_port()}",
         f"--Router.port={free_port()}",
         "--Planner.enabled=false",
         timeout=150,
-    )  # below the router's 300 s bootstrap timeout
+        env=env,
+    )
+
+
+def test_a_rank_that_cannot_start_stops_the_graph_with_its_reason(tmp_path) -> None:
+    """Not a router waiting 300 s for ranks that will never come: the first rank that cannot start
+    stops everything, and its one-line reason is the last thing `dynamo serve` says about it."""
+    r = serve_to_its_end(tmp_path, "--Worker.max_len=100000")
     assert r.returncode == 1, r.stdout + r.stderr
     assert re.search(
         r"^dynamo serve: Worker\.[01] cannot start: max_len 100000 exceeds the model's 4096 positions; "
@@ -297,18 +304,7 @@ def test_a_device_that_is_not_one_is_refused_at_start(tmp_path) -> None:
 def test_cuda_where_none_is_usable_stops_the_graph_with_its_reason(tmp_path) -> None:
     """--Worker.device=cuda where the ranks see no GPU (none is visible to them on any machine
     here): they say why they cannot start, not torch's error from its first CUDA call."""
-    r = run_cli(
-        "serve",
-        "graphs/elastic:Frontend",
-        "--discovery-dir",
-        str(tmp_path),
-        "--Worker.device=cuda",
-        f"--Frontend.port={free_port()}",
-        f"--Router.port={free_port()}",
-        "--Planner.enabled=false",
-        timeout=150,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )
+    r = serve_to_its_end(tmp_path, "--Worker.device=cuda", env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 1, r.stdout + r.stderr
     assert re.search(
         r"^dynamo serve: Worker\.[01] cannot start: device cuda: (this torch \(.+\) is built without CUDA|"

@@ -157,22 +157,27 @@ def _free_memory(device: torch.device) -> int:
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
+def cuda_unusable(device: str) -> str:
+    """Why this process cannot run on `device` ("cuda" or "cuda:N"); "" when it can."""
+    n = torch.cuda.device_count()
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    if n == 0:
+        return f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+    if device != "cuda" and int(device.split(":")[1]) >= n:
+        return f"{n} CUDA device{'s' if n > 1 else ''} visible"
+    return ""
+
+
 def rank_device(device: str, rank: int) -> str:
     """Where rank `rank` runs: "cuda" spreads ranks over the visible GPUs (rank r on GPU r % n).
     A CUDA device this process cannot use is a ValueError that says why, so the rank cannot start
     with that reason rather than fail inside torch's first CUDA call."""
     if not device.startswith("cuda"):
         return device
-    n = torch.cuda.device_count()
-    if torch.version.cuda is None:
-        why = f"this torch ({torch.__version__}) is built without CUDA"
-    elif n == 0:
-        why = f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
-    elif device != "cuda" and int(device.split(":")[1]) >= n:
-        why = f"{n} CUDA device{'s' if n > 1 else ''} visible"
-    else:
-        return f"cuda:{rank % n}" if device == "cuda" else device
-    raise ValueError(f"device {device}: {why}; --Worker.device=cpu runs on the CPU")
+    if why := cuda_unusable(device):
+        raise ValueError(f"device {device}: {why}; --Worker.device=cpu runs on the CPU")
+    return f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else device
 
 
 def nixl_comm(rank: int, max_ranks: int, capacity_bytes: int, timeout_s: float = 30.0):

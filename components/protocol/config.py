@@ -11,6 +11,8 @@ ROUTER_MODES = ("round-robin", "random")
 
 
 EP_TRANSPORTS = ("auto", "window", "nixl")
+# Where ranks run: "cuda" spreads them over the visible GPUs, "cuda:N" puts them all on GPU N.
+DEVICES = r"cpu|cuda(:\d+)?"
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -59,7 +61,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     net_devices: str = "lo"
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+        if not re.fullmatch(DEVICES, self.device):
             raise ValueError(f'device must be "cpu", "cuda" or "cuda:N" (got {self.device!r})')
         if self.ep_transport not in EP_TRANSPORTS:
             raise ValueError(f"ep_transport must be one of {', '.join(EP_TRANSPORTS)}")
