@@ -271,11 +271,6 @@ async def guard(
 
     from components.graph.runtime import nodelay_listener
 
-    session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0),
-        timeout=aiohttp.ClientTimeout(total=None),
-        auto_decompress=False,
-    )
     sizes: asyncio.Future | None = None
 
     async def vocabulary(model: str) -> int | None:
@@ -356,11 +351,8 @@ async def guard(
             await resp.write_eof()
             return resp
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
-    app.router.add_route("*", "/{tail:.*}", forward)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
     # Clients find the port closed until Dynamo's service listens, as they would without the guard.
+    # Nothing to close is opened before: a graph stopped while this waits leaves no session behind.
     host, port = upstream.rsplit("//", 1)[1].rsplit(":", 1)
     while True:
         try:
@@ -371,6 +363,15 @@ async def guard(
             await asyncio.sleep(0.1)
     if not nodelay_listener(int(port)):
         log.warning("no listener on port %s in this process: Dynamo's responses keep Nagle's delay", port)
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None),
+        auto_decompress=False,
+    )
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     return runner, session
 
@@ -383,8 +384,14 @@ async def serve(cfg: FrontendConfig) -> None:
     ctx, _ = load_context()
     loop = asyncio.get_running_loop()
     rt = make_runtime(loop, ctx)
+    stopping = asyncio.Event()
+
+    def stop() -> None:
+        stopping.set()
+        rt.shutdown()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, rt.shutdown)
+        loop.add_signal_handler(sig, stop)
 
     internal = _free_loopback_port()
     vocabularies = functools.partial(vocabulary_sizes, ctx.configs)
@@ -422,6 +429,12 @@ async def serve(cfg: FrontendConfig) -> None:
         await run_input(rt, "http", engine)
     except asyncio.CancelledError:
         pass
+    except Exception as e:
+        # Stopped while starting (a rank that cannot start stops the graph within a second): Dynamo
+        # says its discovery watch was cancelled, which is the stop, not a fault to report.
+        if not stopping.is_set():
+            raise
+        log.info("stopped while starting (%s)", e)
     finally:
         if public.done() and not public.cancelled() and public.exception() is None:
             runner, session = public.result()

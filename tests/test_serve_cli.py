@@ -280,18 +280,21 @@ def serve_to_its_end(tmp_path: Path, *options: str, env: dict[str, str] | None =
     )
 
 
+def assert_stopped_because(r: subprocess.CompletedProcess, reason: str) -> None:
+    """The graph stopped with exit 1, its last word on the rank the one line `reason` (a regex)
+    said, and no traceback anywhere."""
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert re.search(rf"^dynamo serve: Worker\.[01] cannot start: {reason}; stopping the graph$", r.stderr, re.M), (
+        r.stderr
+    )
+    assert "Traceback" not in r.stdout + r.stderr
+
+
 def test_a_rank_that_cannot_start_stops_the_graph_with_its_reason(tmp_path) -> None:
     """Not a router waiting 300 s for ranks that will never come: the first rank that cannot start
     stops everything, and its one-line reason is the last thing `dynamo serve` says about it."""
     r = serve_to_its_end(tmp_path, "--Worker.max_len=100000")
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert re.search(
-        r"^dynamo serve: Worker\.[01] cannot start: max_len 100000 exceeds the model's 4096 positions; "
-        r"stopping the graph$",
-        r.stderr,
-        re.M,
-    ), r.stderr
-    assert "Traceback" not in r.stdout + r.stderr
+    assert_stopped_because(r, "max_len 100000 exceeds the model's 4096 positions")
 
 
 def test_a_device_that_is_not_one_is_refused_at_start(tmp_path) -> None:
@@ -305,15 +308,29 @@ def test_cuda_where_none_is_usable_stops_the_graph_with_its_reason(tmp_path) -> 
     """--Worker.device=cuda where the ranks see no GPU (none is visible to them on any machine
     here): they say why they cannot start, not torch's error from its first CUDA call."""
     r = serve_to_its_end(tmp_path, "--Worker.device=cuda", env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert re.search(
-        r"^dynamo serve: Worker\.[01] cannot start: device cuda: (this torch \(.+\) is built without CUDA|"
-        r"no CUDA device is visible \(CUDA_VISIBLE_DEVICES=\)); --Worker\.device=cpu runs on the CPU; "
-        r"stopping the graph$",
-        r.stderr,
-        re.M,
-    ), r.stderr
-    assert "Traceback" not in r.stdout + r.stderr
+    assert_stopped_because(
+        r,
+        r"device cuda: (this torch \(.+\) is built without CUDA|no CUDA device is visible \(CUDA_VISIBLE_DEVICES=\)); "
+        r"--Worker\.device=cpu runs on the CPU",
+    )
+
+
+def test_a_rank_that_cannot_import_the_engine_stops_the_graph_with_its_reason(tmp_path, tmp_path_factory) -> None:
+    """A broken install (torch's CUDA libraries missing, a package not in this python) fails every
+    retry alike: the rank names the python and the import error and the graph stops, not a
+    frontend left up with no rank behind it. torch is shadowed by one whose import fails."""
+    shadow = tmp_path_factory.mktemp("shadow")
+    (shadow / "torch").mkdir()
+    (shadow / "torch" / "__init__.py").write_text(
+        'raise ImportError("libtorch_cuda.so: cannot open shared object file: No such file or directory")\n'
+    )
+    path = os.pathsep.join(p for p in (str(shadow), os.environ.get("PYTHONPATH", "")) if p)
+    r = serve_to_its_end(tmp_path, env={**os.environ, "PYTHONPATH": path})
+    assert_stopped_because(
+        r,
+        r"\S*python\S* cannot import the engine: "
+        r"libtorch_cuda\.so: cannot open shared object file: No such file or directory",
+    )
 
 
 def serve_logged(log: Path, *args: str) -> subprocess.Popen:

@@ -140,6 +140,9 @@ async def serve(rank: int, join: bool, server: RankServer | None = None) -> None
     except ValueError as e:  # the model or the configuration: the same on every rank, every retry
         log.error("rank %d cannot start: %s", rank, e)
         sys.exit(EXIT_CANNOT_START)
+    except ImportError as e:  # the environment (a package missing or broken): likewise
+        log.error("rank %d cannot start: %s cannot import the engine: %s", rank, sys.executable, e)
+        sys.exit(EXIT_CANNOT_START)
     loop = asyncio.get_running_loop()
     rt = make_runtime(loop, ctx)
     for sig in (signal.SIGTERM, signal.SIGINT):
