@@ -185,6 +185,35 @@ def test_a_failed_ranks_experts_are_served_by_their_replicas_and_rebuilt_from_pe
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
 
 
+def test_a_first_rank_killed_while_loading_is_replaced_while_the_others_serve(reference):
+    """Rank 1 of the first group is killed as it loads (the OOM killer, say) and never registers:
+    epoch 1 forms of rank 0, which serves at once, and a scale-up brings a new rank 1 in, not a
+    router waiting its 300 s bootstrap timeout for a rank that will never come. Every token right
+    under load throughout."""
+    srv = Server(
+        ["--Worker.max_ranks=4", "--Worker.dp_size=2", "--Planner.enabled=false"],
+        env={FAULT_ENV: "killed_loading=1"},
+    )
+    try:
+        with Traffic(srv, PROMPTS, MAX_TOKENS, clients=4) as traffic:
+            deadline = time.monotonic() + 120
+            while (topo := srv.topology())["active"] != [0, 1] or topo["scaling"]:
+                assert time.monotonic() < deadline, (topo, srv.tail())
+                time.sleep(0.2)
+            time.sleep(1.0)
+        ops = srv.control("GET", "/operations").json()
+        output = srv.output
+    finally:
+        srv.stop()
+    assert [(op["kind"], op["joiners"], op["phase"]) for op in ops] == [("up", [1], "done")], ops
+    assert re.search(r"component Worker\.1 \(pid \d+\) was killed by signal SIGKILL", output), output
+    assert "epoch 1: ranks [0] active and routable" in output
+    assert "ranks [1] died before registering: scaling up to 2 ranks with new ones" in output
+    assert traffic.errors == []
+    assert len(traffic.results) >= len(PROMPTS)
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+
+
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP", "streamer SIGKILL"])
 def test_a_failed_serving_rank_is_replaced_under_load_and_nothing_is_lost(server, reference, fault):
     """The rank's process killed or stalled, or its streaming process killed (the rank exits with

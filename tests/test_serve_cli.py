@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from components.worker.component import FAULT_ENV
 from harness.server import env_tool, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,13 +281,11 @@ def serve_to_its_end(tmp_path: Path, *options: str, env: dict[str, str] | None =
     )
 
 
-def assert_stopped_because(r: subprocess.CompletedProcess, reason: str) -> None:
-    """The graph stopped with exit 1, its last word on the rank the one line `reason` (a regex)
-    said, and no traceback anywhere."""
+def assert_stopped_because(r: subprocess.CompletedProcess, reason: str, who: str = r"Worker\.[01]") -> None:
+    """The graph stopped with exit 1, its last word on the component `who` (a rank by default)
+    the one line `reason` (a regex) it said, and no traceback anywhere."""
     assert r.returncode == 1, r.stdout + r.stderr
-    assert re.search(rf"^dynamo serve: Worker\.[01] cannot start: {reason}; stopping the graph$", r.stderr, re.M), (
-        r.stderr
-    )
+    assert re.search(rf"^dynamo serve: {who} cannot start: {reason}; stopping the graph$", r.stderr, re.M), r.stderr
     assert "Traceback" not in r.stdout + r.stderr
 
 
@@ -304,14 +303,16 @@ def test_a_device_that_is_not_one_is_refused_at_start(tmp_path) -> None:
     assert "started" not in r.stdout + r.stderr
 
 
-def test_cuda_where_none_is_usable_stops_the_graph_with_its_reason(tmp_path) -> None:
-    """--Worker.device=cuda where the ranks see no GPU (none is visible to them on any machine
-    here): they say why they cannot start, not torch's error from its first CUDA call."""
-    r = serve_to_its_end(tmp_path, "--Worker.device=cuda", env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_cuda_where_none_is_usable_stops_the_graph_with_its_reason(tmp_path, device) -> None:
+    """--Worker.device=cuda (or cuda:N, every rank on that GPU) where the ranks see no GPU (none is
+    visible to them on any machine here): they say why they cannot start, not torch's error from
+    its first CUDA call."""
+    r = serve_to_its_end(tmp_path, f"--Worker.device={device}", env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert_stopped_because(
         r,
-        r"device cuda: (this torch \(.+\) is built without CUDA|no CUDA device is visible \(CUDA_VISIBLE_DEVICES=\)); "
-        r"--Worker\.device=cpu runs on the CPU",
+        rf"device {device}: (this torch \(.+\) is built without CUDA|"
+        r"no CUDA device is visible \(CUDA_VISIBLE_DEVICES=\)); --Worker\.device=cpu runs on the CPU",
     )
 
 
@@ -331,6 +332,32 @@ def test_a_rank_that_cannot_import_the_engine_stops_the_graph_with_its_reason(tm
         r"\S*python\S* cannot import the engine: "
         r"libtorch_cuda\.so: cannot open shared object file: No such file or directory",
     )
+
+
+@pytest.mark.parametrize(
+    "options, killed, reason",
+    [
+        (
+            ["--Worker.dp_size=1"],
+            0,
+            r"every rank of the first group \(\[0\]\) died before registering: their last lines say why",
+        ),
+        (
+            ["--Worker.dp_size=2", "--Worker.min_ranks=2"],
+            1,
+            r"ranks \[1\] of the first group died before registering \(their last lines say why\): 1 left, "
+            r"fewer than Worker\.min_ranks \(2\)",
+        ),
+    ],
+    ids=["every-rank", "below-min-ranks"],
+)
+def test_first_ranks_killed_while_loading_leaving_too_few_stop_the_graph(tmp_path, options, killed, reason) -> None:
+    """Too few ranks of the first group live to form it (killed as they load, never registered):
+    the router says so and the graph stops, not a router waiting for them, restarted into that
+    wait again. With enough left, the group forms without them (tests/test_failover.py)."""
+    r = serve_to_its_end(tmp_path, *options, env={**os.environ, FAULT_ENV: f"killed_loading={killed}"})
+    assert_stopped_because(r, reason, who="Router")
+    assert re.search(rf"component Worker\.{killed} \(pid \d+\) was killed by signal SIGKILL", r.stderr), r.stderr
 
 
 def serve_logged(log: Path, *args: str) -> subprocess.Popen:

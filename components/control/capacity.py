@@ -66,8 +66,9 @@ class CapacityProvider(Protocol):
         weights; on a GPU its CUDA state is checkpointed, so it holds no GPU memory either)."""
 
     def alive(self, rank: int) -> bool | None:
-        """False once a rank this provider started, adopted or watches has died; None for ranks
-        it knows nothing about."""
+        """False once a rank this provider started, adopted or watches has died (locally also a
+        rank of the first group whose process `dynamo serve` started is gone, reported or not);
+        None for ranks it knows nothing about."""
 
     def watch(self, rank: int, pid: int) -> None:
         """A rank this provider did not start reported its process: `alive` judges it too, where
@@ -455,6 +456,13 @@ class LocalProvider:
         if child is not None:
             return child.alive()
         pid = self.adopted.get(rank, self.watched.get(rank))
+        if pid is None and rank < self.wcfg.dp_size:
+            # A rank of the first group: `dynamo serve` started it on this host before this
+            # router, so no process of it means it died, maybe before it could report its pid.
+            pid = _first_group_worker(rank)
+            if pid is None:
+                return False
+            self.watched[rank] = pid
         return None if pid is None else not _gone(pid)
 
     def watch(self, rank: int, pid: int) -> None:
@@ -568,6 +576,21 @@ def _is_worker(pid: int, rank: int) -> bool:
     except OSError:
         return False
     return b"components.worker" in argv and (str(rank).encode() in argv or b"--bake" in argv)
+
+
+def _first_group_worker(rank: int) -> int | None:
+    """The pid of rank `rank`'s worker that this graph's `dynamo serve` started, while it runs."""
+    graph = f"{GRAPH_PID_ENV}={os.environ.get(GRAPH_PID_ENV, '')}".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if argv[1:5] != [b"-m", Worker.module.encode(), b"--rank", str(rank).encode()]:
+                continue
+            if graph in (proc / "environ").read_bytes().split(b"\0") and not _gone(int(proc.name)):
+                return int(proc.name)
+        except (OSError, ValueError):  # not a process, or gone meanwhile
+            continue
+    return None
 
 
 def _gone(pid: int) -> bool:

@@ -17,6 +17,7 @@ import hmac
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from components.control.capacity import CapacityProvider, LocalProvider
 from components.control.journal import OpJournal, Tally
 from components.control.scaler import Scaler
-from components.graph.component import LOG_FORMAT, Component, component_config, load_context
+from components.graph.component import EXIT_CANNOT_START, LOG_FORMAT, Component, component_config, load_context
 from components.protocol.config import RouterConfig, WorkerConfig
 from components.protocol.lifecycle import RankState
 from components.protocol.messages import (
@@ -93,6 +94,11 @@ class Router(Component):
 
 class ControlError(RuntimeError):
     pass
+
+
+class CannotStart(ControlError):
+    """The deployment cannot be formed as configured: the router exits with EXIT_CANNOT_START,
+    which stops the graph with this reason instead of restarting the router into it again."""
 
 
 class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -211,19 +217,26 @@ class RouterService:
         return await asyncio.gather(*(self.send(r, make(r)) for r in ranks))
 
     async def discover(
-        self, ranks: list[int], provider: CapacityProvider | None = None, timeout: float | None = None
-    ) -> None:
+        self,
+        ranks: list[int],
+        provider: CapacityProvider | None = None,
+        timeout: float | None = None,
+        leave_dead: bool = False,
+    ) -> list[int]:
         """Wait until every rank in `ranks` registered, and learn which instance is which rank.
-        Fails early when the provider reports one of them dead."""
+        Fails early when the provider reports one of them dead, or with `leave_dead` waits for
+        the others and returns the ranks that registered."""
         timeout = timeout or self.cfg.bootstrap_timeout_s
         deadline = time.monotonic() + timeout
         while True:
             await self.scan()
             missing = [r for r in ranks if r not in self.instances]
-            if not missing:
-                return
             dead = [r for r in missing if provider is not None and provider.alive(r) is False]
-            if dead:
+            if leave_dead and missing == dead:
+                return [r for r in ranks if r not in dead]
+            if not missing:
+                return ranks
+            if dead and not leave_dead:
                 raise ControlError(f"ranks {dead} died before registering")
             if time.monotonic() > deadline:
                 raise ControlError(f"ranks {missing} did not appear within {timeout:.0f} s")
@@ -282,6 +295,8 @@ class RouterService:
         adopt it."""
         while not self.statuses:
             await self.scan()
+            if not self.client.instance_ids() and all(provider.alive(r) is False for r in range(self.wcfg.dp_size)):
+                break  # no rank will come: bootstrap says why
             await asyncio.sleep(DISCOVER_POLL_S)
         # Registrations appear together, but a stalled rank's describe takes its timeout: give
         # every instance the chance to answer before judging what the ranks serve.
@@ -290,11 +305,24 @@ class RouterService:
         if any(st.epoch > 0 for st in self.statuses.values()):
             await self.adopt(provider)
         else:
-            await self.bootstrap()
+            await self.bootstrap(provider)
 
-    async def bootstrap(self) -> None:
-        ranks = list(range(self.wcfg.dp_size))
-        await self.discover(ranks)
+    async def bootstrap(self, provider: CapacityProvider) -> None:
+        """Form epoch 1 of the ranks `dynamo serve` started. Those that died before registering
+        (killed while loading, say) are left out, and a scale-up brings the deployment to its
+        size with new ones, as a failover would, while the rest serve."""
+        first = list(range(self.wcfg.dp_size))
+        ranks = await self.discover(first, provider, leave_dead=True)
+        lost = [r for r in first if r not in ranks]
+        if not ranks:
+            raise CannotStart(
+                f"every rank of the first group ({lost}) died before registering: their last lines say why"
+            )
+        if len(ranks) < self.wcfg.min_ranks:
+            raise CannotStart(
+                f"ranks {lost} of the first group died before registering (their last lines say why): "
+                f"{len(ranks)} left, fewer than Worker.min_ranks ({self.wcfg.min_ranks})"
+            )
         identities = {self.statuses[r].model_identity for r in ranks}
         if len(identities) != 1:
             raise ControlError(f"ranks serve different models: {identities}")
@@ -311,6 +339,9 @@ class RouterService:
         log.info("epoch 1: ranks %s active and routable (%.1f s after start)", ranks, time.monotonic() - self.started)
         self.scaler.settle(f"found no rank serving and formed epoch 1 of ranks {ranks}")
         self.ready.set()
+        if lost:
+            log.warning("ranks %s died before registering: scaling up to %d ranks with new ones", lost, len(first))
+            self.scaler.request(ScaleRequest(dp_size=len(first)))
 
     async def adopt(self, provider: CapacityProvider) -> None:
         """After a restart: rebuild the topology from the ranks' own state and take it over, with
@@ -771,15 +802,21 @@ async def serve() -> None:
     scaler = asyncio.create_task(svc.scaler.run(svc.ready))
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({boot, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if boot in done and boot.exception():
+    cannot_start = boot in done and isinstance(boot.exception(), CannotStart)
+    if cannot_start:
+        log.error("router cannot start: %s", boot.exception())
+    elif boot in done and boot.exception():
         raise boot.exception()
-    await waiter
+    else:
+        await waiter
     for t in (boot, refresh, scaler):
         t.cancel()
     await provider.close()
     await runner.cleanup()
     rt.shutdown()
     log.info("router stopped")
+    if cannot_start:
+        sys.exit(EXIT_CANNOT_START)
 
 
 def main() -> None:

@@ -33,8 +33,6 @@ class Worker(Component):
             )
         if c.redundant_experts < 0:
             raise ValueError(f"Worker.redundant_experts ({c.redundant_experts}) must be at least 0")
-        if c.device not in ("cpu", "cuda"):
-            raise ValueError(f"Worker.device must be 'cpu' or 'cuda', not {c.device!r}")
 
     @classmethod
     def rank_process(cls, rank: int, join: bool = False) -> ProcessSpec:
@@ -65,7 +63,9 @@ class Faults(msgspec.Struct, frozen=True):
     `stall_mid_pull=<seconds>` (the first pull with READs from several sources holds the later
     ones back that long once the first is posted: a window to kill a source mid-transfer),
     `exit_after_finish` (the rank exits once its first stream's last chunk is out, before the
-    stream closes: the frontend migrates a request that has nothing left to generate)."""
+    stream closes: the frontend migrates a request that has nothing left to generate),
+    `killed_loading=<rank>` (that rank of the first group, not a joiner for it, is killed as it
+    starts loading, as the OOM killer would: it never registers)."""
 
     exit_on: str = ""
     corrupt_pull: bool = False
@@ -73,6 +73,7 @@ class Faults(msgspec.Struct, frozen=True):
     stall_s: float = 0.0
     stall_mid_pull: float = 0.0
     exit_after_finish: bool = False
+    killed_loading: int = -1
 
     @classmethod
     def from_env(cls) -> Faults:

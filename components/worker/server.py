@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -77,6 +78,8 @@ class RankServer:
         from components.engine.rank import EngineRank
 
         t0 = time.perf_counter()
+        if self.faults.killed_loading == self.rank and not self.join:
+            os.kill(os.getpid(), signal.SIGKILL)
         self.model_dir, self.model_name = model_source(self.cfg)
         self.engine = EngineRank(rank_config(self.cfg, self.rank), self.model_dir, load_weights=not self.join)
         self.go_live(t0)
