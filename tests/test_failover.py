@@ -185,14 +185,16 @@ def test_a_failed_ranks_experts_are_served_by_their_replicas_and_rebuilt_from_pe
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
 
 
-def test_a_first_rank_killed_while_loading_is_replaced_while_the_others_serve(reference):
-    """Rank 1 of the first group is killed as it loads (the OOM killer, say) and never registers:
-    epoch 1 forms of rank 0, which serves at once, and a scale-up brings a new rank 1 in, not a
-    router waiting its 300 s bootstrap timeout for a rank that will never come. Every token right
-    under load throughout."""
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_first_rank_lost_while_loading_is_replaced_while_the_others_serve(reference, fault):
+    """Rank 1 of the first group is killed as it loads (the OOM killer, say), or hangs there
+    (stopped), and never registers: epoch 1 forms of rank 0, which serves at once (a hung rank
+    `bootstrap_timeout_s` after rank 0 registered, and SIGKILLed then), and a scale-up brings a new
+    rank 1 in; not a router waiting for a rank that will never come, restarted into the same wait.
+    Every token right under load throughout."""
     srv = Server(
-        ["--Worker.max_ranks=4", "--Worker.dp_size=2", "--Planner.enabled=false"],
-        env={FAULT_ENV: "killed_loading=1"},
+        ["--Worker.max_ranks=4", "--Worker.dp_size=2", "--Planner.enabled=false", "--Router.bootstrap_timeout_s=3"],
+        env={FAULT_ENV: f"{fault}_loading=1"},
     )
     try:
         with Traffic(srv, PROMPTS, MAX_TOKENS, clients=4) as traffic:
@@ -207,8 +209,10 @@ def test_a_first_rank_killed_while_loading_is_replaced_while_the_others_serve(re
         srv.stop()
     assert [(op["kind"], op["joiners"], op["phase"]) for op in ops] == [("up", [1], "done")], ops
     assert re.search(r"component Worker\.1 \(pid \d+\) was killed by signal SIGKILL", output), output
+    hung = "ranks [1] did not register within 3 s of the first: stopping them (SIGKILL)" in output
+    assert hung == (fault == "stopped"), output
     assert "epoch 1: ranks [0] active and routable" in output
-    assert "ranks [1] died before registering: scaling up to 2 ranks with new ones" in output
+    assert "ranks [1] lost before registering: scaling up to 2 ranks with new ones" in output
     assert traffic.errors == []
     assert len(traffic.results) >= len(PROMPTS)
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []

@@ -345,7 +345,7 @@ def test_a_rank_that_cannot_import_the_engine_stops_the_graph_with_its_reason(tm
         (
             ["--Worker.dp_size=2", "--Worker.min_ranks=2"],
             1,
-            r"ranks \[1\] of the first group died before registering \(their last lines say why\): 1 left, "
+            r"ranks \[1\] of the first group died or hung before registering \(their last lines say why\): 1 left, "
             r"fewer than Worker\.min_ranks \(2\)",
         ),
     ],

@@ -505,6 +505,7 @@ class LocalProvider:
         child.pump.cancel()
 
     async def fence(self, rank: int, pid: int, op: str) -> None:
+        pid = pid or self.watched.get(rank, 0)  # 0: not reported (a first-group rank found by alive)
         if rank in self.procs:  # SIGKILL at once: a stopped process ignores SIGTERM until resumed
             self.procs[rank].signal_group(signal.SIGKILL)
             await self.release(rank, op, graceful=False)

@@ -221,22 +221,22 @@ class RouterService:
         ranks: list[int],
         provider: CapacityProvider | None = None,
         timeout: float | None = None,
-        leave_dead: bool = False,
+        partial: bool = False,
     ) -> list[int]:
         """Wait until every rank in `ranks` registered, and learn which instance is which rank.
-        Fails early when the provider reports one of them dead, or with `leave_dead` waits for
-        the others and returns the ranks that registered."""
+        Fails early when the provider reports one of them dead, and at the timeout; `partial`
+        waits until each registered or died, or the timeout, and returns those that registered."""
         timeout = timeout or self.cfg.bootstrap_timeout_s
         deadline = time.monotonic() + timeout
         while True:
             await self.scan()
             missing = [r for r in ranks if r not in self.instances]
             dead = [r for r in missing if provider is not None and provider.alive(r) is False]
-            if leave_dead and missing == dead:
-                return [r for r in ranks if r not in dead]
+            if partial and (missing == dead or time.monotonic() > deadline):
+                return [r for r in ranks if r not in missing]
             if not missing:
                 return ranks
-            if dead and not leave_dead:
+            if dead:
                 raise ControlError(f"ranks {dead} died before registering")
             if time.monotonic() > deadline:
                 raise ControlError(f"ranks {missing} did not appear within {timeout:.0f} s")
@@ -309,18 +309,28 @@ class RouterService:
 
     async def bootstrap(self, provider: CapacityProvider) -> None:
         """Form epoch 1 of the ranks `dynamo serve` started. Those that died before registering
-        (killed while loading, say) are left out, and a scale-up brings the deployment to its
-        size with new ones, as a failover would, while the rest serve."""
+        (killed while loading, say), or have not registered `bootstrap_timeout_s` after the
+        first did (hung: stopped now, so that none comes back as a second process of its rank),
+        are left out, and a scale-up brings the deployment to its size with new ones, as a
+        failover would, while the rest serve."""
         first = list(range(self.wcfg.dp_size))
-        ranks = await self.discover(first, provider, leave_dead=True)
+        ranks = await self.discover(first, provider, partial=True)
         lost = [r for r in first if r not in ranks]
+        late = [r for r in lost if provider.alive(r) is not False]
+        if late:
+            log.warning(
+                "ranks %s did not register within %.0f s of the first: stopping them (SIGKILL)",
+                late,
+                self.cfg.bootstrap_timeout_s,
+            )
+            await asyncio.gather(*(provider.fence(r, 0, "-") for r in late))
         if not ranks:
             raise CannotStart(
                 f"every rank of the first group ({lost}) died before registering: their last lines say why"
             )
         if len(ranks) < self.wcfg.min_ranks:
             raise CannotStart(
-                f"ranks {lost} of the first group died before registering (their last lines say why): "
+                f"ranks {lost} of the first group died or hung before registering (their last lines say why): "
                 f"{len(ranks)} left, fewer than Worker.min_ranks ({self.wcfg.min_ranks})"
             )
         identities = {self.statuses[r].model_identity for r in ranks}
@@ -340,7 +350,7 @@ class RouterService:
         self.scaler.settle(f"found no rank serving and formed epoch 1 of ranks {ranks}")
         self.ready.set()
         if lost:
-            log.warning("ranks %s died before registering: scaling up to %d ranks with new ones", lost, len(first))
+            log.warning("ranks %s lost before registering: scaling up to %d ranks with new ones", lost, len(first))
             self.scaler.request(ScaleRequest(dp_size=len(first)))
 
     async def adopt(self, provider: CapacityProvider) -> None:

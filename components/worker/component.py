@@ -65,7 +65,8 @@ class Faults(msgspec.Struct, frozen=True):
     `exit_after_finish` (the rank exits once its first stream's last chunk is out, before the
     stream closes: the frontend migrates a request that has nothing left to generate),
     `killed_loading=<rank>` (that rank of the first group, not a joiner for it, is killed as it
-    starts loading, as the OOM killer would: it never registers)."""
+    starts loading, as the OOM killer would: it never registers), `stopped_loading=<rank>` (it
+    stops itself there, SIGSTOP: a load that hangs)."""
 
     exit_on: str = ""
     corrupt_pull: bool = False
@@ -74,6 +75,7 @@ class Faults(msgspec.Struct, frozen=True):
     stall_mid_pull: float = 0.0
     exit_after_finish: bool = False
     killed_loading: int = -1
+    stopped_loading: int = -1
 
     @classmethod
     def from_env(cls) -> Faults:

@@ -78,8 +78,8 @@ class RankServer:
         from components.engine.rank import EngineRank
 
         t0 = time.perf_counter()
-        if self.faults.killed_loading == self.rank and not self.join:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if not self.join and self.rank in (self.faults.killed_loading, self.faults.stopped_loading):
+            os.kill(os.getpid(), signal.SIGKILL if self.faults.killed_loading == self.rank else signal.SIGSTOP)
         self.model_dir, self.model_name = model_source(self.cfg)
         self.engine = EngineRank(rank_config(self.cfg, self.rank), self.model_dir, load_weights=not self.join)
         self.go_live(t0)
