@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -50,6 +51,7 @@ from components.worker.stream_wire import (
 )
 
 log = logging.getLogger("components.worker")
+REROUTE_POLL_S = 0.01  # instance_ids() reads the client's watched set: no I/O
 
 
 class Streamer:
@@ -88,7 +90,10 @@ class Streamer:
         self.send(Routed())
 
     async def generate(self, raw: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        await self.routable.wait()
+        if not self.routable.is_set():
+            async for chunk in self.reroute(raw):
+                yield chunk
+            return
         if (raw.get("stop_conditions") or {}).get("max_tokens") == 0:
             # Dynamo's frontend refuses max_tokens 0 from a client (400), so this is its migration
             # of a stream whose rank died after the last token went out but before the stream
@@ -142,6 +147,23 @@ class Streamer:
         finally:
             del self.streams[req.request_id]
             self.send(Closed(req.request_id))  # the engine cancels it: a no-op once finished
+
+    async def reroute(self, raw: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """A request routed here as this rank left routing (the frontend chose it from a list its
+        leave had not reached yet) goes on on a rank that is listed, its stream coming back
+        through this one; waiting here for this rank to be routed to again would wait for ever
+        once it is parked. With none listed it waits for one, or for this rank's return."""
+        me = self.presence.endpoint.connection_id()
+        while not self.routable.is_set():
+            if others := [i for i in self.client.instance_ids() if i != me]:
+                to = random.choice(others)
+                log.info("rank %d: out of routing: a request sent on to instance %x", self.rank, to)
+                async for item in await self.client.direct(raw, to):
+                    yield dict(item.data())
+                return
+            await asyncio.sleep(REROUTE_POLL_S)
+        async for chunk in self.generate(raw):
+            yield chunk
 
     async def hand_over(
         self, raw: dict[str, Any], req, produced: list[int], to: Handover
