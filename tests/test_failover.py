@@ -218,6 +218,29 @@ def test_a_first_rank_lost_while_loading_is_replaced_while_the_others_serve(refe
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
 
 
+def test_requests_that_reach_a_rank_after_it_left_routing_are_sent_on(reference):
+    """A scale-down whose leaving rank stays listed 1.5 s after it stops taking requests (the
+    frontend's list lagging the leave, which once left such a request waiting for the parked rank
+    to be routable again until the client gave up): each goes on on the remaining rank, every
+    completion the engine's own."""
+    srv = Server(
+        ["--Worker.max_ranks=2", "--Worker.dp_size=2", "--Planner.enabled=false"],
+        env={FAULT_ENV: "leave_lag_s=1.5"},
+    )
+    try:
+        with Traffic(srv, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+            time.sleep(1.0)
+            assert scale(srv, 1)["phase"] == "done"
+            time.sleep(1.0)
+        output = srv.output
+    finally:
+        srv.stop()
+    assert re.search(r"rank 1: out of routing: a request sent on to instance [0-9a-f]+", output), output
+    assert traffic.errors == []
+    assert len(traffic.results) >= len(PROMPTS)
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
+
+
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP", "streamer SIGKILL"])
 def test_a_failed_serving_rank_is_replaced_under_load_and_nothing_is_lost(server, reference, fault):
     """The rank's process killed or stalled, or its streaming process killed (the rank exits with

@@ -66,7 +66,9 @@ class Faults(msgspec.Struct, frozen=True):
     stream closes: the frontend migrates a request that has nothing left to generate),
     `killed_loading=<rank>` (that rank of the first group, not a joiner for it, is killed as it
     starts loading, as the OOM killer would: it never registers), `stopped_loading=<rank>` (it
-    stops itself there, SIGSTOP: a load that hangs)."""
+    stops itself there, SIGSTOP: a load that hangs), `leave_lag_s=<seconds>` (a rank leaving
+    routing stays listed that long after it stops taking requests: the frontend's list lagging
+    the leave, so requests still reach it and are sent on)."""
 
     exit_on: str = ""
     corrupt_pull: bool = False
@@ -76,6 +78,7 @@ class Faults(msgspec.Struct, frozen=True):
     exit_after_finish: bool = False
     killed_loading: int = -1
     stopped_loading: int = -1
+    leave_lag_s: float = 0.0
 
     @classmethod
     def from_env(cls) -> Faults:

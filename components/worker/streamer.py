@@ -81,6 +81,10 @@ class Streamer:
             if routable:
                 await self.presence.enter()
                 self.routable.set()
+            elif self.faults.leave_lag_s:
+                self.routable.clear()
+                await asyncio.sleep(self.faults.leave_lag_s)
+                await self.presence.leave()
             else:
                 await self.presence.leave()
                 self.routable.clear()
