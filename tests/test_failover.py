@@ -185,16 +185,17 @@ def test_a_failed_ranks_experts_are_served_by_their_replicas_and_rebuilt_from_pe
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
 
 
-@pytest.mark.parametrize("fault", ["killed", "stopped"])
-def test_a_first_rank_lost_while_loading_is_replaced_while_the_others_serve(reference, fault):
-    """Rank 1 of the first group is killed as it loads (the OOM killer, say), or hangs there
-    (stopped), and never registers: epoch 1 forms of rank 0, which serves at once (a hung rank
-    `bootstrap_timeout_s` after rank 0 registered, and SIGKILLed then), and a scale-up brings a new
-    rank 1 in; not a router waiting for a rank that will never come, restarted into the same wait.
-    Every token right under load throughout."""
+@pytest.mark.parametrize("fault, lost", [("killed", 1), ("stopped", 1), ("killed", 0)])
+def test_a_first_rank_lost_while_loading_is_replaced_while_the_others_serve(reference, fault, lost):
+    """A rank of the first group is killed as it loads (the OOM killer, say), or hangs there
+    (stopped), and never registers: epoch 1 forms of the other, which serves at once (a hung rank
+    `bootstrap_timeout_s` after the other registered, and SIGKILLed then), and a scale-up brings a
+    new rank of its number in; not a router waiting for a rank that will never come, restarted into
+    the same wait. Every token right under load throughout."""
+    kept = 1 - lost
     srv = Server(
         ["--Worker.max_ranks=4", "--Worker.dp_size=2", "--Planner.enabled=false", "--Router.bootstrap_timeout_s=3"],
-        env={FAULT_ENV: f"{fault}_loading=1"},
+        env={FAULT_ENV: f"{fault}_loading={lost}"},
     )
     try:
         with Traffic(srv, PROMPTS, MAX_TOKENS, clients=4) as traffic:
@@ -207,12 +208,12 @@ def test_a_first_rank_lost_while_loading_is_replaced_while_the_others_serve(refe
         output = srv.output
     finally:
         srv.stop()
-    assert [(op["kind"], op["joiners"], op["phase"]) for op in ops] == [("up", [1], "done")], ops
-    assert re.search(r"component Worker\.1 \(pid \d+\) was killed by signal SIGKILL", output), output
-    hung = "ranks [1] did not register within 3 s of the first: stopping them (SIGKILL)" in output
+    assert [(op["kind"], op["joiners"], op["phase"]) for op in ops] == [("up", [lost], "done")], ops
+    assert re.search(rf"component Worker\.{lost} \(pid \d+\) was killed by signal SIGKILL", output), output
+    hung = f"ranks [{lost}] did not register within 3 s of the first: stopping them (SIGKILL)" in output
     assert hung == (fault == "stopped"), output
-    assert "epoch 1: ranks [0] active and routable" in output
-    assert "ranks [1] lost before registering: scaling up to 2 ranks with new ones" in output
+    assert f"epoch 1: ranks [{kept}] active and routable" in output
+    assert f"ranks [{lost}] lost before registering: scaling up to 2 ranks with new ones" in output
     assert traffic.errors == []
     assert len(traffic.results) >= len(PROMPTS)
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []

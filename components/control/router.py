@@ -338,7 +338,7 @@ class RouterService:
             raise ControlError(f"ranks serve different models: {identities}")
         meta = {r: self.statuses[r].metadata for r in ranks}
         await self.send_all(ranks, lambda r: Connect(peers={p: m for p, m in meta.items() if p != r}))
-        st = self.statuses[0]
+        st = self.statuses[ranks[0]]
         self.num_experts = st.num_experts
         placement = balanced_placement(st.num_moe_layers, st.num_experts, self.wcfg.max_ranks, st.slots_per_rank, ranks)
         await self.send_all(ranks, lambda r: LoadExperts(placement=placement))
