@@ -582,10 +582,10 @@ def _is_worker(pid: int, rank: int) -> bool:
 def _first_group_worker(rank: int) -> int | None:
     """The pid of rank `rank`'s worker that this graph's `dynamo serve` started, while it runs."""
     graph = f"{GRAPH_PID_ENV}={os.environ.get(GRAPH_PID_ENV, '')}".encode()
+    started = [a.encode() for a in Worker.rank_process(rank).argv[1:]]  # as `dynamo serve` ran it
     for proc in Path("/proc").iterdir():
         try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if argv[1:5] != [b"-m", Worker.module.encode(), b"--rank", str(rank).encode()]:
+            if (proc / "cmdline").read_bytes().split(b"\0")[1:-1] != started:
                 continue
             if graph in (proc / "environ").read_bytes().split(b"\0") and not _gone(int(proc.name)):
                 return int(proc.name)
