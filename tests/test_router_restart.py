@@ -52,6 +52,14 @@ def wait_router_back(srv: Server, old: int, timeout: float = 120) -> int:
     raise AssertionError(f"the router did not come back within {timeout} s:\n{srv.tail(80)}")
 
 
+def wait_phase(srv: Server, phase: str, timeout: float = 120) -> None:
+    """Until the scale operation in flight is in `phase`."""
+    deadline = time.monotonic() + timeout
+    while (srv.topology()["operation"] or {}).get("phase") != phase:
+        assert time.monotonic() < deadline, srv.tail(60)
+        time.sleep(0.05)
+
+
 def counters(srv: Server) -> dict:
     """The router's operation counters: (kind, result) -> n, and the follow-up failures."""
     metrics = parse_prometheus(srv.control("GET", "/metrics").text)
@@ -160,10 +168,7 @@ def test_a_commit_the_killed_router_left_half_done_is_completed_by_the_next(serv
     r = server.control("POST", "/scale", json={"dp_size": 4, "fault": "stall_on=configure,stall_s=6"})
     assert r.status_code == 202, r.text
     with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
-        deadline = time.monotonic() + 120
-        while (server.topology()["operation"] or {}).get("phase") != "committing":
-            assert time.monotonic() < deadline, server.tail(60)
-            time.sleep(0.05)
+        wait_phase(server, "committing")
         time.sleep(1.0)  # Configure reached the serving ranks; the joiner stalls in its own
         old = router_pids(server)[-1]
         os.kill(old, signal.SIGKILL)
@@ -216,6 +221,33 @@ def test_a_stalled_router_is_found_hung_restarted_and_adopts_the_topology(server
     assert len(traffic.results) > served_before + 6
     assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
     assert scale(server, 3 if before["dp_size"] == 2 else 2)["phase"] == "done"
+
+
+def test_a_scale_the_killed_router_left_unfinished_is_run_again_by_the_next(server, reference):
+    """Killed while its joiner warms up (stalled there, injected): the next router stops that
+    joiner with the rest of the operation, as an abort would, and runs the scale again toward the
+    same target, once, with a new joiner; requests flow throughout."""
+    size = server.topology()["dp_size"]
+    r = server.control("POST", "/scale", json={"dp_size": size + 1, "fault": "stall_on=warmup,stall_s=30"})
+    assert r.status_code == 202, r.text
+    with Traffic(server, PROMPTS, MAX_TOKENS, clients=6) as traffic:
+        wait_phase(server, "warming")
+        old = router_pids(server)[-1]
+        os.kill(old, signal.SIGKILL)
+        wait_router_back(server, old)
+        deadline = time.monotonic() + 120
+        while (topo := server.topology())["scaling"] or topo["dp_size"] != size + 1:
+            assert time.monotonic() < deadline, server.tail(80)
+            time.sleep(0.2)
+        time.sleep(1.0)
+    ops = server.control("GET", "/operations").json()
+    cut, again = ops[-2:]
+    assert (cut["kind"], cut["to_size"], cut["phase"]) == ("up", size + 1, "interrupted"), cut
+    assert (again["kind"], again["to_size"], again["phase"], again["resumes"]) == ("up", size + 1, "done", cut["id"])
+    assert f"[op {again['id']}] takes up the target of op {cut['id']}, interrupted with its router" in server.output
+    assert topo["active"] == list(range(size + 1))
+    assert traffic.errors == []
+    assert [(p, text) for p, text, _, _ in traffic.results if text != reference[p]] == []
 
 
 @pytest.fixture

@@ -206,6 +206,38 @@ def test_the_journal_gives_a_restarted_router_its_history_and_counters(tmp_path,
     assert next(Operation._ids) == 26
 
 
+@pytest.mark.parametrize(
+    "cut, adopted, asked",
+    [
+        (rec(7, "loading"), 2, ScaleRequest(dp_size=3, resumes="op-7-up-2to3")),
+        (rec(7, "committing"), 3, None),  # the next router completed its commit
+        (msgspec.structs.replace(rec(7, "loading"), resumes="op-6-up-2to3"), 2, None),  # cut twice
+        (
+            msgspec.structs.replace(rec(7, "draining", kind="down"), from_size=3, to_size=2, leaving=[1]),
+            3,
+            ScaleRequest(dp_size=2, remove=[1], resumes="op-7-down-2to3"),
+        ),
+    ],
+)
+def test_a_restarted_router_asks_again_for_the_scale_its_predecessor_left_unfinished(
+    tmp_path, monkeypatch, cut, adopted, asked
+):
+    """An accepted scale is not lost with the router running it: the one that adopts the group
+    runs it again toward the same target (a removal: the same ranks), unless the adopted group is
+    at that size already, or the operation was itself such a second try (it may be what stops
+    the router)."""
+    path = tmp_path / "operations.jsonl"
+    journal = OpJournal(path)
+    journal.save(rec(6, "done"))
+    journal.save(cut)
+    monkeypatch.setattr(Operation, "_ids", Operation._ids)
+    scaler = Scaler(Owner(), None, None, RouterConfig(), max_ranks=8, journal=OpJournal(path))
+    scaler.settle("adopted epoch 5", size=adopted)
+    assert scaler.history[-1].phase == "interrupted"
+    assert scaler.pending == asked
+    assert scaler.busy == (asked is not None)
+
+
 def test_the_journal_is_compacted_while_the_router_runs(tmp_path):
     """It gains a line per phase change; past `compact_after` lines it is rewritten with the recent
     history alone, and loads as if it had never been compacted."""

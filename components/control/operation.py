@@ -198,6 +198,7 @@ class Operation:
             leaving=self.leaving,
             phases={},
             started_at=time.time(),
+            resumes=req.resumes,
         )
         self.committed = False
         self.rolled_back = False

@@ -406,7 +406,7 @@ class RouterService:
             f"{parked or 'none'} parked, {sorted(stray) or 'none'} stopped"
         )
         log.info("%s (%.1f s)", outcome, time.monotonic() - t0)
-        self.scaler.settle(outcome)
+        self.scaler.settle(outcome, size=len(active))
         self.ready.set()
         if missing:
             self.scaler.fail(missing)

@@ -73,9 +73,14 @@ class Scaler:
         await self._idle.wait()
         return self.history[-1] if self.history else None
 
-    def settle(self, outcome: str) -> None:
+    def settle(self, outcome: str, size: int | None = None) -> None:
         """The reloaded operations the last router left unfinished are over: `interrupted`, with
-        what the router that took over made of the deployment (`outcome`)."""
+        what the router that took over made of the deployment (`outcome`). Given the size of the
+        group it adopted, the last interrupted scale is asked for again: a scale the API accepted,
+        or the router queued to replace a rank lost at start, is not lost with the router that
+        ran it. Once: one that was itself taken up again and interrupted is dropped, saying so
+        (it may be what stops the router)."""
+        cut = []
         for rec in self.history:
             if rec.phase not in ENDED:
                 rec.error = f"the router running it stopped in {rec.phase}; the next one {outcome}"
@@ -83,6 +88,23 @@ class Scaler:
                 rec.phase = INTERRUPTED
                 self.tally.count(rec)
                 self._journal(rec)
+                cut.append(rec)
+        last = next((r for r in reversed(cut) if r.kind in ("up", "down")), None)
+        if size is None or last is None or last.to_size == size:
+            return
+        if last.resumes:
+            log.warning(
+                "[op %s] not asked for again: it took up op %s, which was interrupted too; dp_size stays %d",
+                last.id,
+                last.resumes,
+                size,
+            )
+            return
+        log.info(
+            "[op %s] its target dp_size %d is asked for again (the group adopted has %d)", last.id, last.to_size, size
+        )
+        remove = last.leaving if last.kind == "down" else []
+        self.request(ScaleRequest(dp_size=last.to_size, remove=remove, mode=last.mode, resumes=last.id))
 
     def _journal(self, record: OpRecord) -> None:
         if self.journal:
@@ -150,6 +172,8 @@ class Scaler:
             self.current = op
             if note:
                 log.warning("[op %s] %s", op.id, note)
+            if req.resumes:
+                log.info("[op %s] takes up the target of op %s, interrupted with its router", op.id, req.resumes)
             if op.record.kind == "rebuild":  # it fences them now, and its new ranks may take their numbers
                 self.failing -= set(failed)
             self.history.append(op.record)

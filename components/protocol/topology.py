@@ -57,6 +57,7 @@ class ScaleRequest(msgspec.Struct, frozen=True):
     mode: ScaleMode = ScaleMode.PREPARE_ASYNC_REUSE_GRAPHS
     drain_timeout_s: float = 30.0
     fault: str = ""  # injected into joiners; only honoured with Router.allow_fault_injection
+    resumes: str = ""  # the id of an operation a router that stopped left unfinished, asked for again
 
 
 class PullLoss(msgspec.Struct):
@@ -115,6 +116,7 @@ class OpRecord(msgspec.Struct):
     failover_committed_at: float | None = None
     pull_losses: list[PullLoss] = []  # sources lost mid-pull: what they were to send, and from whom it came
     joiner_retries: list[JoinerRetry] = []  # joiners that died before the commit and were started anew
+    resumes: str = ""  # the operation, interrupted with the router that ran it, whose target this one takes up
 
 
 class RankView(RankSummary, kw_only=True):
