@@ -207,35 +207,71 @@ def test_the_journal_gives_a_restarted_router_its_history_and_counters(tmp_path,
 
 
 @pytest.mark.parametrize(
-    "cut, adopted, asked",
+    "cut, queued, adopted, asked",
     [
-        (rec(7, "loading"), 2, ScaleRequest(dp_size=3, resumes="op-7-up-2to3")),
-        (rec(7, "committing"), 3, None),  # the next router completed its commit
-        (msgspec.structs.replace(rec(7, "loading"), resumes="op-6-up-2to3"), 2, None),  # cut twice
+        (rec(7, "loading"), None, 2, ScaleRequest(dp_size=3, resumes="op-7-up-2to3")),
+        (rec(7, "committing"), None, 3, None),  # the next router completed its commit
+        (msgspec.structs.replace(rec(7, "loading"), resumes="op-6-up-2to3"), None, 2, None),  # cut twice
         (
             msgspec.structs.replace(rec(7, "draining", kind="down"), from_size=3, to_size=2, leaving=[1]),
+            None,
             3,
             ScaleRequest(dp_size=2, remove=[1], resumes="op-7-down-2to3"),
         ),
+        # Queued behind the operation cut: the latest target wins (its injected fault was the first try's).
+        (rec(7, "loading"), ScaleRequest(dp_size=5, fault="exit_on=warmup"), 2, ScaleRequest(dp_size=5)),
+        (rec(7, "loading"), ScaleRequest(dp_size=2), 2, None),  # back to the size it had: nothing to do
+        (rec(7, "done"), ScaleRequest(dp_size=4), 3, ScaleRequest(dp_size=4)),
     ],
 )
-def test_a_restarted_router_asks_again_for_the_scale_its_predecessor_left_unfinished(
-    tmp_path, monkeypatch, cut, adopted, asked
+def test_a_restarted_router_asks_again_for_what_its_predecessor_was_asked(
+    tmp_path, monkeypatch, cut, queued, adopted, asked
 ):
     """An accepted scale is not lost with the router running it: the one that adopts the group
-    runs it again toward the same target (a removal: the same ranks), unless the adopted group is
-    at that size already, or the operation was itself such a second try (it may be what stops
-    the router)."""
+    runs the request its predecessor had queued, else the operation it cut short again toward the
+    same target (a removal: the same ranks), unless the adopted group is at that size already, or
+    the operation was itself such a second try (it may be what stops the router)."""
     path = tmp_path / "operations.jsonl"
     journal = OpJournal(path)
     journal.save(rec(6, "done"))
     journal.save(cut)
+    if queued is not None:
+        journal.queue(queued, at=cut.started_at + 0.5)
     monkeypatch.setattr(Operation, "_ids", Operation._ids)
     scaler = Scaler(Owner(), None, None, RouterConfig(), max_ranks=8, journal=OpJournal(path))
     scaler.settle("adopted epoch 5", size=adopted)
-    assert scaler.history[-1].phase == "interrupted"
+    assert scaler.history[-1].phase == ("done" if cut.phase == "done" else "interrupted")
     assert scaler.pending == asked
     assert scaler.busy == (asked is not None)
+    # What it asks for is journaled in turn, until an operation takes it up.
+    queued_now = OpJournal(path)
+    queued_now.load()
+    assert (queued_now.queued.queued if queued_now.queued else None) == asked
+
+
+def test_a_queued_request_is_journaled_until_an_operation_takes_it_up(tmp_path):
+    """Across compactions too; a group formed from scratch drops it."""
+    path = tmp_path / "operations.jsonl"
+    journal = OpJournal(path, compact_after=3)
+    journal.load()
+    journal.save(rec(1, "starting"))
+    journal.queue(ScaleRequest(dp_size=4), at=1.5)
+    for phase in ("loading", "warming", "done"):  # the third line compacts the file
+        journal.save(rec(1, phase))
+    again = OpJournal(path)
+    again.load()
+    assert again.queued is not None and again.queued.queued == ScaleRequest(dp_size=4)
+    journal.save(rec(2, "starting"))  # started after it was queued: it took it up
+    again = OpJournal(path)
+    again.load()
+    assert again.queued is None
+    journal.queue(ScaleRequest(dp_size=1), at=3.0)
+    scaler = Scaler(Owner(), None, None, RouterConfig(), max_ranks=8, journal=OpJournal(path))
+    scaler.settle("found no rank serving and formed epoch 1 of ranks [0, 1]")
+    assert scaler.pending is None
+    again = OpJournal(path)
+    again.load()
+    assert again.queued is None
 
 
 def test_the_journal_is_compacted_while_the_router_runs(tmp_path):

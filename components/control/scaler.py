@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from typing import Protocol
 
 import msgspec
@@ -66,6 +67,8 @@ class Scaler:
 
     def request(self, req: ScaleRequest) -> None:
         self.pending, self.resume = req, None  # the latest target wins over one still queued
+        if self.journal:
+            self.journal.queue(req, time.time())
         self._idle.clear()
         self._wake.set()
 
@@ -76,10 +79,11 @@ class Scaler:
     def settle(self, outcome: str, size: int | None = None) -> None:
         """The reloaded operations the last router left unfinished are over: `interrupted`, with
         what the router that took over made of the deployment (`outcome`). Given the size of the
-        group it adopted, the last interrupted scale is asked for again: a scale the API accepted,
-        or the router queued to replace a rank lost at start, is not lost with the router that
-        ran it. Once: one that was itself taken up again and interrupted is dropped, saying so
-        (it may be what stops the router)."""
+        group it adopted, what the last router was asked for is asked for again, not lost with it:
+        the request it had queued, else the last interrupted scale (a scale the API accepted, or
+        the router queued to replace a rank lost at start). An interrupted one once: one that was
+        itself taken up again and interrupted is dropped, saying so (it may be what stops the
+        router). Without a size (a group formed from scratch) none is."""
         cut = []
         for rec in self.history:
             if rec.phase not in ENDED:
@@ -89,8 +93,20 @@ class Scaler:
                 self.tally.count(rec)
                 self._journal(rec)
                 cut.append(rec)
+        queued = self.journal.queued.queued if self.journal and self.journal.queued else None
+        if size is None:  # a group formed from scratch: what the last one was asked is moot
+            if self.journal:
+                self.journal.drop_queued()
+            return
+        if queued is not None:  # the latest target wins, over the operation it waited behind too
+            if queued.dp_size != size or queued.remove:
+                log.info("the request for dp_size %d the last router had queued is asked for again", queued.dp_size)
+                self.request(msgspec.structs.replace(queued, fault=""))
+            else:
+                self.journal.drop_queued()
+            return
         last = next((r for r in reversed(cut) if r.kind in ("up", "down")), None)
-        if size is None or last is None or last.to_size == size:
+        if last is None or last.to_size == size:
             return
         if last.resumes:
             log.warning(
