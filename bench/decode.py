@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--model",
         default=None,
-        help="Hugging Face checkpoint directory (Mixtral or Qwen2-MoE layout); default: the built-in "
+        help="Hugging Face checkpoint directory (any family the README's Models table lists); default: the built-in "
         "tiny model (components.engine.models.builtin.builtin_model_dir())",
     )
     ap.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts to run, one configuration each")

@@ -296,7 +296,7 @@ def parser() -> argparse.ArgumentParser:
         "bake",
         help="bake a snapshot of a worker rank (a CRIU image of it, warm)",
         description="Build one worker rank without its weights and run its masked warmup (on CUDA: "
-        "capture and replay the decode graphs). The criu tier (default; CPU, as root, CRIU from "
+        "capture and replay the decode graphs). The criu tier (default; CPU or CUDA, as root, CRIU from "
         "`make install`) does it in a worker process that belongs to no deployment and dumps that "
         "process with CRIU into DIR/criu: joiners of a deployment whose Worker.snapshot_root holds it "
         "are restored from it instead of starting cold. Both tiers write manifest.json (identity, "
@@ -343,7 +343,7 @@ def parser() -> argparse.ArgumentParser:
         "--max-batched-tokens",
         type=_int_in(0, MAX_BATCHED_TOKENS),
         default=DEFAULTS["max_batched_tokens"],
-        help="prompt tokens a step computes; 0 = the device's default, 2048 on CUDA, 256 on the CPU (default: 0)",
+        help="prompt tokens a step computes; 0 = the device's default, 8192 on CUDA, 256 on the CPU (default: 0)",
     )
     b.add_argument(
         "--redundant-experts",

@@ -35,9 +35,10 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # holds its decodes for its length (some 30 ms on an H100, 5.4 GiB Mixtral-shaped, bf16).
     max_batched_tokens: int = 0
     # Greedy outputs (and seeded samples) that do not change with the load, bit for bit: a step
-    # is either all decodes, as one CUDA graph of max_seqs rows, or one chunk of one prompt (see
-    # components/engine/scheduler.py). False: vLLM's mixed steps and a graph per batch size,
-    # whose kernels follow the batch, so bf16 completions change with what else runs.
+    # takes every decode and whole pieces of prompts cut where the prompt alone says, and a row's
+    # arithmetic does not depend on the step's other rows (components/engine/scheduler.py).
+    # False: vLLM's mixed steps and a graph per batch size, whose kernels follow the batch, so
+    # bf16 completions change with what else runs.
     batch_invariant: bool = True
     # Baked snapshots (`snapshot-bake bake`, the criu tier) new joiners are restored from; "" =
     # none. One that does not match this deployment, fails its checksums or fails to restore is
