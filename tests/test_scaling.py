@@ -206,6 +206,13 @@ def test_the_journal_gives_a_restarted_router_its_history_and_counters(tmp_path,
     assert next(Operation._ids) == 26
 
 
+def queued_in(path) -> ScaleRequest | None:
+    """The request a router loading the journal at `path` finds queued."""
+    journal = OpJournal(path)
+    journal.load()
+    return journal.queued.queued if journal.queued else None
+
+
 @pytest.mark.parametrize(
     "cut, queued, adopted, asked",
     [
@@ -244,9 +251,7 @@ def test_a_restarted_router_asks_again_for_what_its_predecessor_was_asked(
     assert scaler.pending == asked
     assert scaler.busy == (asked is not None)
     # What it asks for is journaled in turn, until an operation takes it up.
-    queued_now = OpJournal(path)
-    queued_now.load()
-    assert (queued_now.queued.queued if queued_now.queued else None) == asked
+    assert queued_in(path) == asked
 
 
 def test_a_queued_request_is_journaled_until_an_operation_takes_it_up(tmp_path):
@@ -258,20 +263,14 @@ def test_a_queued_request_is_journaled_until_an_operation_takes_it_up(tmp_path):
     journal.queue(ScaleRequest(dp_size=4), at=1.5)
     for phase in ("loading", "warming", "done"):  # the third line compacts the file
         journal.save(rec(1, phase))
-    again = OpJournal(path)
-    again.load()
-    assert again.queued is not None and again.queued.queued == ScaleRequest(dp_size=4)
+    assert queued_in(path) == ScaleRequest(dp_size=4)
     journal.save(rec(2, "starting"))  # started after it was queued: it took it up
-    again = OpJournal(path)
-    again.load()
-    assert again.queued is None
+    assert queued_in(path) is None
     journal.queue(ScaleRequest(dp_size=1), at=3.0)
     scaler = Scaler(Owner(), None, None, RouterConfig(), max_ranks=8, journal=OpJournal(path))
     scaler.settle("found no rank serving and formed epoch 1 of ranks [0, 1]")
     assert scaler.pending is None
-    again = OpJournal(path)
-    again.load()
-    assert again.queued is None
+    assert queued_in(path) is None
 
 
 def test_the_journal_is_compacted_while_the_router_runs(tmp_path):

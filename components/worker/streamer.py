@@ -81,11 +81,10 @@ class Streamer:
             if routable:
                 await self.presence.enter()
                 self.routable.set()
-            elif self.faults.leave_lag_s:
-                self.routable.clear()
-                await asyncio.sleep(self.faults.leave_lag_s)
-                await self.presence.leave()
             else:
+                if self.faults.leave_lag_s:  # still listed a while after it stops taking requests
+                    self.routable.clear()
+                    await asyncio.sleep(self.faults.leave_lag_s)
                 await self.presence.leave()
                 self.routable.clear()
         except Exception as e:  # the rank's SetRoutable fails with it
