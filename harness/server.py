@@ -204,6 +204,25 @@ class Server:
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
+    def story(self, ops: list[dict]) -> str:
+        """What a failed check needs to tell which way a race went: each operation's record, and
+        the router's and ranks' lines about it."""
+        keys = (
+            "id",
+            "kind",
+            "phase",
+            "from_size",
+            "to_size",
+            "joiners",
+            "leaving",
+            "masked",
+            "error",
+            "followup_error",
+        )
+        ids = [f"[op {op['id']}]" for op in ops]
+        lines = [ln for ln in self.output.splitlines() if any(i in ln for i in ids)]
+        return "\n".join([*(str({k: op.get(k) for k in keys}) for op in ops), *lines[-200:]])
+
     def control(self, method: str, path: str, **kw) -> httpx.Response:
         return self.ctl.request(method, path, **kw)
 

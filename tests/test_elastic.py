@@ -18,6 +18,7 @@ from harness.server import Server, alive, engine_reference, freeze, scale, scale
 from harness.server import Traffic as _Traffic
 
 MAX_TOKENS = 24
+LONG_TOKENS = 160  # a stream of these lasts seconds on CPU
 PROMPTS = [[5 + i, 17, 42 + i, 99, 7 * i + 3, 250] for i in range(12)]
 
 
@@ -223,15 +224,31 @@ def test_comparison_modes_scale_correctly(server, reference, mode):
     assert all(toks == reference[p] for p, toks, _, _ in traffic.results)
 
 
-def test_leaving_rank_hands_its_requests_over(server, reference):
+@pytest.fixture(scope="module")
+def long_reference():
+    return engine_reference(PROMPTS, LONG_TOKENS)
+
+
+def test_leaving_rank_hands_its_requests_over(server, long_reference):
     assert scale(server, 3)["phase"] == "done"
-    with Traffic(server, clients=6) as traffic:
-        time.sleep(2.0)
+
+    def served() -> int:
+        return next(v["requests_total"] for v in server.topology()["ranks"] if v["rank"] == 2)
+
+    before, deadline = served(), time.monotonic() + 30
+    while served() == before:  # until the frontend routes to rank 2
+        assert time.monotonic() < deadline, "the frontend sent rank 2 nothing in 30 s"
+        server.stream_text(PROMPTS[0], 4)
+        time.sleep(0.2)
+    # Round robin gives each rank two of six requests sent at once, and every stream outlasts the
+    # second before the drain: the leaving rank holds streams when it drains (drain_timeout=0).
+    with _Traffic(server, PROMPTS, LONG_TOKENS, clients=6) as traffic:
+        time.sleep(1.0)
         op = scale(server, 2, drain_timeout=0)
         time.sleep(1.0)
     assert op["phase"] == "done" and op["handed_over"] > 0, op
     # Remaining ranks carried the handed-over requests on, replaying their tokens so far.
     assert traffic.errors == []
-    bad = [(p, toks, reference[p]) for p, toks, _, _ in traffic.results if toks != reference[p]]
+    bad = [(p, toks, long_reference[p]) for p, toks, _, _ in traffic.results if toks != long_reference[p]]
     assert bad == []
     assert {v["replays_diverged"] for v in server.topology()["ranks"]} == {0}

@@ -301,21 +301,12 @@ def scale_up_with_rank_1_killed(
     return ops, traffic
 
 
-def story(server: Server, ops: list[dict]) -> str:
-    """What a failed check needs to tell which way a race went: each operation's record, and
-    the router's and ranks' lines about it."""
-    keys = ("id", "kind", "phase", "from_size", "to_size", "joiners", "leaving", "masked", "error")
-    ids = [f"[op {op['id']}]" for op in ops]
-    lines = [ln for ln in server.output.splitlines() if any(i in ln for i in ids)]
-    return "\n".join([*(str({k: op.get(k) for k in keys}) for op in ops), *lines[-200:]])
-
-
 def test_a_serving_rank_killed_during_a_scale_up_is_failed_over_first(server, reference):
     """Rank 1 dies while a scale-up 3 -> 4's joiner warms up: the scale-up gives way at once
     (aborted, its joiner gone), the failover masks rank 1 out, and then the scale-up runs again,
     which also replaces rank 1. Nothing is lost, every token is right, no wedge."""
     ops, traffic = scale_up_with_rank_1_killed(server, "warmup", 5, operations=3)
-    assert len(ops) == 3, story(server, ops)
+    assert len(ops) == 3, server.story(ops)
     up, failover, again = ops
     assert (up["kind"], up["phase"], up["to_size"], up["masked"]) == ("up", "aborted", 4, []), up
     assert "rank 1 " in up["error"], up["error"]
@@ -363,7 +354,7 @@ def test_a_serving_rank_killed_inside_a_commit_is_masked_out_by_the_rollback(ser
     timed_out, abandoned = "timed out after", "ranks [1] declared gone"
     seen_timeouts, seen_abandoned = (server.output.count(s) for s in (timed_out, abandoned))
     ops, traffic = scale_up_with_rank_1_killed(server, "resume", 8, operations=2)
-    assert len(ops) == 2, story(server, ops)
+    assert len(ops) == 2, server.story(ops)
     up, again = ops
     assert (up["kind"], up["phase"], up["masked"]) == ("up", "rolled_back", [1]), up
     # Whichever sees it first (its provider's process watch or the router's status round), the
@@ -394,7 +385,7 @@ def wait_until_idle_at(server: Server, active: list[int], before: set[str], dead
         topo = server.topology()
         if ops and ops[-1]["total_s"] is not None and not topo["scaling"] and topo["active"] == active:
             return ops
-        assert time.monotonic() < deadline, story(server, ops)
+        assert time.monotonic() < deadline, server.story(ops)
         time.sleep(0.2)
 
 
@@ -413,10 +404,10 @@ def test_two_serving_ranks_killed_at_once_are_both_failed_over_and_replaced(serv
         ops = wait_until_idle_at(server, [0, 1, 2, 3], before, time.monotonic() + 180)
         time.sleep(1.0)
     failovers = [op for op in ops if op["kind"] == "failover"]
-    assert failovers and failovers[-1]["phase"] == "done", story(server, ops)
+    assert failovers and failovers[-1]["phase"] == "done", server.story(ops)
     masked = {r for op in ops for r in op["masked"]}
-    assert masked == {1, 2}, story(server, ops)
-    assert ops[-1]["kind"] == "up" and ops[-1]["phase"] == "done" and ops[-1]["to_size"] == 4, story(server, ops)
+    assert masked == {1, 2}, server.story(ops)
+    assert ops[-1]["kind"] == "up" and ops[-1]["phase"] == "done" and ops[-1]["to_size"] == 4, server.story(ops)
     assert all(pid_of(server, r) != pid for r, pid in zip((1, 2), pids))  # new processes took 1 and 2
     assert not any(map(alive, pids))
     assert traffic.errors == []
@@ -450,10 +441,10 @@ def test_a_source_killed_mid_transfer_is_masked_out_and_its_reads_come_from_the_
         os.kill(pid_of(server, victim), signal.SIGKILL)
         ops = wait_until_idle_at(server, [0, 1, 2, 3], before, deadline + 120)
         time.sleep(1.0)
-    assert len(ops) == 2, story(server, ops)
+    assert len(ops) == 2, server.story(ops)
     up, again = ops
     survivors = sorted({0, 1, 2} - {victim})
-    assert (up["kind"], up["phase"], up["error"], up["joiners"]) == ("up", "done", "", [3]), story(server, ops)
+    assert (up["kind"], up["phase"], up["error"], up["joiners"]) == ("up", "done", "", [3]), server.story(ops)
     assert up["masked"] == [victim] and up["failover_committed_at"] is not None, up
     losses = up["pull_losses"]
     assert losses and {(loss["rank"], loss["source"]) for loss in losses} == {(3, victim)}, losses

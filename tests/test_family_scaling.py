@@ -26,6 +26,7 @@ def test_a_familys_checkpoint_scales_under_traffic_generating_what_transformers_
         ops, _ = scale_under_traffic(srv, (4, 2), traffic := Traffic(srv, PROMPTS, MAX_TOKENS, 4), want)
     finally:
         srv.stop()
-    assert ops[0]["pull_bytes"] > 0 and all(op["followup_error"] == "" for op in ops), ops
+    assert ops[0]["pull_bytes"] > 0, ops[0]
+    assert [op["followup_error"] for op in ops] == ["", ""], srv.story(ops)
     for op in ops:  # streams ran across each commit
         assert any(t0 < op["committed_at"] < t1 for _, _, t0, t1 in traffic.results), op
