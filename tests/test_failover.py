@@ -301,6 +301,32 @@ def scale_up_with_rank_1_killed(
     return ops, traffic
 
 
+def test_a_killed_ranks_listing_in_discovery_goes_with_it():
+    """A SIGKILLed rank leaves its instances in discovery (a file entry outlives its process by
+    10 s), and the frontend, which drops an instance it cannot reach, lists it again at the next
+    change to the listing: the replacement's. The failover takes them out, so with the frontend's
+    migration off, not one request fails once the replacement serves."""
+    srv = Server(["--Worker.max_ranks=4", "--Planner.enabled=false", "--Frontend.migration_limit=0"])
+    try:
+        dead = next(v for v in srv.topology()["ranks"] if v["rank"] == 1)
+        before = operation_ids(srv)
+        os.kill(dead["pid"], signal.SIGKILL)
+        failover, _ = wait_for_failover(srv, 1, before)
+        listed = [p.name for p in (srv.discovery_dir / "v1" / "instances").iterdir()]
+        assert not [n for n in listed if n.endswith(f"%2F{dead['instance_id']:x}")], listed
+        failed = []
+        for i in range(40):
+            try:
+                srv.stream_text(PROMPTS[i % len(PROMPTS)], 4)
+            except Exception as e:  # counted: none may fail
+                failed.append(repr(e))
+        line = f"[op {failover['id']}] rank 1's instances out of discovery: worker.control "
+        assert line in srv.output and f"worker.generate {dead['instance_id']:x}" in srv.output
+    finally:
+        srv.stop()
+    assert failed == []
+
+
 def test_a_serving_rank_killed_during_a_scale_up_is_failed_over_first(server, reference):
     """Rank 1 dies while a scale-up 3 -> 4's joiner warms up: the scale-up gives way at once
     (aborted, its joiner gone), the failover masks rank 1 out, and then the scale-up runs again,

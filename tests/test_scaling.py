@@ -312,6 +312,7 @@ class Ranks:
         self.failing: set[int] = set(dead)
         self.sent: list[tuple[int, object]] = []
         self.fenced: list[tuple[int, int]] = []  # (rank, pid)
+        self.unlisted: list[int] = []
         self.refused: dict[int, str] = {}
         self.checkpoints_parked = False
         self.pull = pull
@@ -361,6 +362,9 @@ class Ranks:
     async def discover(self, ranks, provider, timeout) -> None:
         for r in ranks:
             self.statuses.setdefault(r, self.describe(r))
+
+    def unlist(self, rank: int, op: str) -> None:
+        self.unlisted.append(rank)
 
     def forget(self, rank: int) -> None:
         self.statuses.pop(rank, None)
@@ -428,7 +432,7 @@ def test_a_scale_up_masks_a_source_that_failed_mid_pull_out_and_repulls_its_read
     send from ranks 0 and 1, and commits ranks 0, 1 and 3."""
     op, ranks = run("up", dies_mid_pull)
     assert (op.record.phase, op.record.error, op.record.masked) == ("done", "", [2]), op.record
-    assert ranks.fenced == [(2, 102)] and op.topology.active == [0, 1, 3]
+    assert ranks.fenced == [(2, 102)] and ranks.unlisted == [2] and op.topology.active == [0, 1, 3]
     first, again = ranks.messages(m.PullWeights, 3)
     lost = [it.dst_name for it in first.items if it.src_rank == 2]
     assert sorted(lost) == ["experts.0.0.down", "experts.0.0.gate", "experts.0.0.up", "norm"]
@@ -545,6 +549,7 @@ def test_a_rollback_masks_out_a_serving_rank_found_dead_as_a_failover_would(rank
     target = shrink(before, [1], 8)
     assert op.topology == Committed(epoch=7, active=[0, 2], placement=target) and op.record.masked == [1]
     assert ranks.fenced == [(1, 101)] and 1 not in ranks.statuses and ranks.messages(rank=1) == []
+    assert ranks.unlisted == [1]  # out of discovery, even where it may still run
     reload = {slot // 4 for _, slot in changed_slots(before, target)}
     assert reload and reload <= {0, 2}
     for r in (0, 2):

@@ -132,6 +132,10 @@ class RankPort(Protocol):
     def forget(self, rank: int) -> None:
         """The rank's process is gone: drop its instance and status."""
 
+    def unlist(self, rank: int, op: str) -> None:
+        """The rank's process was killed: take the instances it left listed out of discovery, so
+        that no request is sent to them any more."""
+
     def status(self, rank: int) -> RankStatus:
         """The rank's latest status (every reply carries one)."""
 
@@ -652,6 +656,7 @@ class Operation:
                 # A rollback stopped here would leave the survivors paused: it masks the rank out
                 # all the same (no epoch lists it) and says that it may still be running.
                 log.error("[op %s] fencing rank %d failed, it may still run: %s", self.id, r, e)
+            self.port.unlist(r, self.id)  # masked out all the same: nothing may be routed to it
             self.port.forget(r)
 
     async def mask(self, failed: list[int], target: Placement, pause: list[int], gone: list[int]) -> None:

@@ -32,6 +32,7 @@ from components.control.capacity import CapacityProvider, LocalProvider
 from components.control.journal import OpJournal, Tally
 from components.control.scaler import Scaler
 from components.graph.component import EXIT_CANNOT_START, LOG_FORMAT, Component, component_config, load_context
+from components.graph.runtime import unlist
 from components.protocol.config import RouterConfig, WorkerConfig
 from components.protocol.lifecycle import RankState
 from components.protocol.messages import (
@@ -270,6 +271,14 @@ class RouterService:
         async for item in stream:
             return decode_reply(item.data()).status
         raise ControlError(f"instance {iid:x} did not reply")
+
+    def unlist(self, rank: int, op: str) -> None:
+        endpoints = {"worker.control": self.instances.get(rank)}
+        if rank in self.statuses:
+            endpoints["worker.generate"] = self.statuses[rank].instance_id
+        gone = [f"{name} {iid:x}" for name, iid in endpoints.items() if iid is not None and unlist(self.ctx, name, iid)]
+        if gone:
+            log.info("[op %s] rank %d's instances out of discovery: %s", op, rank, ", ".join(gone))
 
     def forget(self, rank: int) -> None:
         self.instances.pop(rank, None)

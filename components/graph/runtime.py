@@ -13,6 +13,8 @@ import asyncio
 import logging
 import os
 import socket
+from pathlib import Path
+from urllib.parse import quote
 
 from dynamo.runtime import DistributedRuntime
 
@@ -48,6 +50,26 @@ def make_runtime(loop: asyncio.AbstractEventLoop, ctx: GraphContext) -> Distribu
     os.environ.update(env)
     log.debug("runtime env %s", env)
     return DistributedRuntime(loop, ctx.discovery, "tcp")
+
+
+def unlist(ctx: GraphContext, endpoint: str, instance_id: int) -> bool:
+    """Take a killed process's instance of `endpoint` ("component.name") out of discovery; True
+    if it was listed. A process's instances stay listed until it unregisters them or their lease
+    lapses: in file discovery an entry outlives its process by its 10 s TTL (ai-dynamo-runtime
+    1.6.1), and a frontend that cannot connect to it drops it only until the next change to the
+    listing brings it back, which a scale operation's registrations make at once. Each request
+    sent there then spends one of the frontend's migrations: beside a failover and a removal, one
+    request met dead or leaving instances four times in a row and failed with 503 (migration
+    limit 3). Only file discovery's entries can be removed from outside their process here; an
+    etcd entry goes when its lease lapses."""
+    if ctx.discovery != "file":
+        return False
+    key = quote("/".join([ctx.namespace, *endpoint.split("."), format(instance_id, "x")]), safe="")
+    try:
+        (Path(ctx.discovery_dir) / "v1" / "instances" / key).unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def nodelay_listener(port: int) -> bool:
