@@ -62,6 +62,7 @@ class Streamer:
         self.streams: dict[str, asyncio.Queue] = {}  # request id -> its output queue
         self.presence: Presence | None = None
         self.client = None  # of the generate endpoint: a handover's continuation goes through it
+        self.unreachable: set[int] = set()  # generate instances a killed rank left listed
 
     def send(self, msg: msgspec.Struct) -> None:
         self.writer.write(frame(msg))
@@ -156,17 +157,34 @@ class Streamer:
         leave had not reached yet) goes on on a rank that is listed, its stream coming back
         through this one; waiting here for this rank to be routed to again would wait for ever
         once it is parked. With none listed it waits for one, or for this rank's return."""
-        me = self.presence.endpoint.connection_id()
         while not self.routable.is_set():
-            if others := [i for i in self.client.instance_ids() if i != me]:
-                to = random.choice(others)
-                log.info("rank %d: out of routing: a request sent on to instance %x", self.rank, to)
-                async for item in await self.client.direct(raw, to):
+            if sent := await self.send_on(raw):
+                log.info("rank %d: out of routing: a request sent on to instance %x", self.rank, sent[0])
+                async for item in sent[1]:
                     yield dict(item.data())
                 return
             await asyncio.sleep(REROUTE_POLL_S)
         async for chunk in self.generate(raw):
             yield chunk
+
+    async def send_on(self, raw: dict[str, Any], to: int | None = None) -> tuple[int, Any] | None:
+        """(instance, its stream of `raw`) from another rank's generate instance: `to`, else, or
+        where `to` cannot be reached, one that is listed; None while none is. One that cannot be
+        reached is a killed rank's, listed until the router takes it out: the request goes to the
+        next rather than failing with it (a 500, which the frontend does not migrate)."""
+        me = self.presence.endpoint.connection_id()
+        while True:
+            if to is None:
+                others = [i for i in self.client.instance_ids() if i != me and i not in self.unreachable]
+                if not others:
+                    return None
+                to = random.choice(others)
+            try:
+                return to, await self.client.direct(raw, to)
+            except Exception as e:  # not reached: no stream was opened, nothing was sent
+                log.warning("rank %d: instance %x cannot be reached (%s): sending to another", self.rank, to, e)
+                self.unreachable.add(to)
+                to = None
 
     async def hand_over(
         self, raw: dict[str, Any], req, produced: list[int], to: Handover
@@ -191,7 +209,10 @@ class Streamer:
             "replay": req.replay + len(produced),
         }
         n = req.replay + len(produced)
-        async for item in await self.client.direct(cont, to.instance_id):
+        sent = await self.send_on(cont, to.instance_id)
+        if sent is None:  # no rank listed: the stream ends unfinished, and the frontend migrates it
+            return
+        async for item in sent[1]:
             chunk = dict(item.data())
             n += len(chunk.get("token_ids") or [])
             if chunk.get("finish_reason"):
