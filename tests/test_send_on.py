@@ -6,43 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
-
-import pytest
 
 from components.worker.stream_wire import Start
 from components.worker.streamer import Streamer
-from harness.server import free_ports
+from harness.server import ROOT, free_ports
 
 
 async def handler(request, context=None):
     yield {"token_ids": [1]}
 
 
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
+def scenario(discovery: Path) -> None:
     from dynamo.runtime import DistributedRuntime
 
-    discovery = tmp_path_factory.mktemp("discovery")
-    with pytest.MonkeyPatch.context() as env:  # read once, as the runtime is built
-        env.setenv("DYN_FILE_KV", str(discovery))
-        env.setenv("DYN_TCP_RPC_HOST", "127.0.0.1")
-        env.setenv("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
-        loop = asyncio.new_event_loop()
-        rt = DistributedRuntime(loop, "file", "tcp")
-    try:
-        yield loop, rt, discovery
-    finally:
-        rt.shutdown()
-        loop.run_until_complete(asyncio.sleep(0.5))  # the runtime's last callbacks land on the loop
-        loop.close()
-
-
-def test_a_request_sent_on_skips_an_instance_a_killed_rank_left_listed(runtime):
-    """A request sent on (out of routing, or handed over) to such an instance goes to a live one
-    instead of failing, and that instance is not tried again."""
-    loop, rt, discovery = runtime
+    loop = asyncio.new_event_loop()
+    rt = DistributedRuntime(loop, "file", "tcp")
     stale = 0x5EED0000DEAD
     port = free_ports(1)[0]  # nothing listens there: what a killed rank's address is
 
@@ -80,9 +64,25 @@ def test_a_request_sent_on_skips_an_instance_a_killed_rank_left_listed(runtime):
         return to, got, handing_over.unreachable, rerouted
 
     to, got, unreachable, rerouted = loop.run_until_complete(run())
-    assert (to, got, unreachable) == (
-        rt.endpoint("sendon.worker.generate").connection_id(),
-        [{"token_ids": [1]}],
-        {stale},
-    )
-    assert rerouted == [[{"token_ids": [1]}]] * 8
+    live = rt.endpoint("sendon.worker.generate").connection_id()
+    print(json.dumps({"to": to == live, "got": got, "unreachable": list(unreachable) == [stale], "rerouted": rerouted}))
+    sys.stdout.flush()
+    os._exit(0)  # the runtime's threads are not waited for
+
+
+def test_a_request_sent_on_skips_an_instance_a_killed_rank_left_listed(tmp_path):
+    """A request sent on (out of routing, or handed over) to such an instance goes to a live one
+    instead of failing, and that instance is not tried again. In a process of its own: a runtime
+    built after another one's shutdown in the same process sees no new discovery files."""
+    env = {**os.environ, "DYN_FILE_KV": str(tmp_path), "DYN_TCP_RPC_HOST": "127.0.0.1"}
+    env["DYN_TCP_RESPONSE_STREAM_HOST"] = "127.0.0.1"
+    code = f"from tests.test_send_on import scenario; from pathlib import Path; scenario(Path({str(tmp_path)!r}))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {
+        "to": True,
+        "got": [{"token_ids": [1]}],
+        "unreachable": True,
+        "rerouted": [[{"token_ids": [1]}]] * 8,
+    }
